@@ -1,0 +1,4 @@
+"""`python -m finetune_mcp` is the console script."""
+from finetune_mcp.cli import main
+
+raise SystemExit(main())

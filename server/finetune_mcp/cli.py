@@ -1,0 +1,119 @@
+"""The `finetune-mcp` command: serve a role over stdio or HTTP, run the demo, triage a log."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _data_dirs(args) -> list[Path]:
+    dirs = [Path(d) for d in (args.data_dir or [])]
+    env = os.environ.get("FINETUNE_MCP_DATA_DIRS")
+    if env:
+        dirs += [Path(d) for d in env.split(os.pathsep) if d]
+    return dirs
+
+
+def cmd_serve(args) -> int:
+    # Logs go to stderr: on stdio, stdout is the protocol channel.
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    from finetune_mcp.errors import FtError
+
+    try:
+        if args.transport == "stdio":
+            from finetune_mcp.app import build_server
+
+            build_server(args.role, data_dirs=_data_dirs(args)).run("stdio")
+            return 0
+        from finetune_mcp.app import build_http_app, load_tokens
+
+        tokens = load_tokens(args.tokens_file, os.environ.get("FINETUNE_MCP_TOKENS"))
+        if not tokens:
+            print("finetune-mcp: HTTP needs bearer tokens: --tokens-file FILE or FINETUNE_MCP_TOKENS=token=role,...", file=sys.stderr)
+            return 2
+        import uvicorn
+
+        app = build_http_app(tokens, data_dirs=_data_dirs(args))
+        # access_log off: request lines would be harmless, but nothing token-bearing is ever logged.
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        return 0
+    except FtError as e:
+        print(f"finetune-mcp: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_triage(args) -> int:
+    from finetune_mcp.errors import FtError
+    from finetune_mcp.phases.triage import triage_log_file
+
+    try:
+        result = triage_log_file(Path(args.log))
+    except FtError as e:
+        print(f"finetune-mcp: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.model_dump(mode="json"), indent=2))
+    else:
+        from finetune_mcp.app import render_text
+
+        print(render_text(result))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from finetune_mcp.demo import run_demo
+
+    return run_demo(root=args.root, keep=args.keep, gguf=args.gguf)
+
+
+def cmd_build_tiny(args) -> int:
+    from finetune_mcp.workspace import Workspace
+    from finetune_mcp.worker import run_job
+
+    ws = Workspace.from_env()
+    target = Path(args.target) if args.target else ws.base_models_dir / "finetune-mcp-tiny"
+    res = run_job("build_tiny_model", {"target_dir": str(target), "seed": args.seed})
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="finetune-mcp", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="serve one role's tools over MCP")
+    s.add_argument("--role", default="training-engineer", help="training-engineer or eval-engineer (stdio); over HTTP the token picks the role")
+    s.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--tokens-file", help="YAML {role: [token, ...]} for HTTP")
+    s.add_argument("--data-dir", action="append", help="extra read-only folder the tools may read datasets and briefs from (repeatable)")
+    s.add_argument("-v", "--verbose", action="store_true")
+    s.set_defaults(fn=cmd_serve)
+
+    t = sub.add_parser("triage", help="classify a training log: environment / divergence / oom / none")
+    t.add_argument("log")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_triage)
+
+    d = sub.add_parser("demo", help="run the whole lifecycle on the embedded tiny model through real MCP sessions")
+    d.add_argument("--root", help="DGX_SPARK_ROOT to use (default: a throwaway temp dir)")
+    d.add_argument("--keep", action="store_true", help="keep the throwaway root")
+    d.add_argument("--gguf", choices=["auto", "yes", "no"], default="auto", help="also export GGUF when llama.cpp is available")
+    d.set_defaults(fn=cmd_demo)
+
+    b = sub.add_parser("build-tiny-model", help="build the embedded tiny model into base-models/")
+    b.add_argument("--target")
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(fn=cmd_build_tiny)
+
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

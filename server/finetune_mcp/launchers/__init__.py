@@ -1,0 +1,1 @@
+"""Where a run executes: local (detached subprocess), torchrun, docker, slurm."""

@@ -1,0 +1,1 @@
+"""One module per lifecycle phase: plain functions taking a PhaseContext; no MCP here."""

@@ -1,0 +1,230 @@
+"""Pydantic output models of every tool: the structured content a client receives.
+
+Every result starts with `summary`, one line a person reads first; `citations` name the skill
+sections (skill#anchor) whose facts the tool applied. Sections are owned per tool.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+
+class Result(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    summary: str = Field(description="one line on what happened, for a person reading the call")
+    citations: list[str] = Field(default_factory=list, description="skill sections applied, as skill#anchor")
+
+    def text(self) -> str:
+        """The human-readable text content; results override it to show what matters most."""
+        return self.summary
+
+
+# --- prepare_dataset ---------------------------------------------------------------------
+
+
+class Problem(BaseModel):
+    severity: Literal["error", "warning"]
+    code: str = Field(description="problem class, e.g. malformed-json, roles-order, near-duplicate")
+    message: str
+    file: str | None = None
+    line: int | None = Field(default=None, description="1-based line (JSONL/CSV) in the source file")
+    record: int | None = Field(default=None, description="0-based record index")
+    field: str | None = None
+
+
+class ChecklistItem(BaseModel):
+    item: str
+    ok: bool
+    evidence: str
+
+
+class PrepareDatasetResult(Result):
+    experiment: str
+    experiment_dir: str
+    method: str
+    format: str = Field(description="detected source format")
+    converted_from: str | None = None
+    dataset_dir: str | None = None
+    counts: dict[str, int] = Field(default_factory=dict)
+    problems: list[Problem] = Field(default_factory=list)
+    packing: dict[str, Any] | None = None
+    decoded_samples: list[str] = Field(default_factory=list)
+    files: list[str] = Field(default_factory=list)
+    checklist: list[ChecklistItem] = Field(default_factory=list)
+    complete: bool
+
+
+# --- preflight ---------------------------------------------------------------------------
+
+
+class CheckResult(BaseModel):
+    id: str
+    name: str
+    status: Literal["pass", "warn", "fail"]
+    observed: str
+    threshold: str
+    remediation: str | None = None
+    cite: str
+
+
+class PreflightResult(Result):
+    experiment: str
+    platform: Literal["dgx-spark", "generic-nvidia", "cpu"]
+    verdict: Literal["ready", "ready-with-warnings", "blocked"]
+    checks: list[CheckResult]
+    memory_estimate: dict[str, Any] = Field(default_factory=dict)
+    env_report: str
+
+
+# --- generate_config ---------------------------------------------------------------------
+
+
+class ResolvedValue(BaseModel):
+    value: Any
+    source: str = Field(description="recipe | brief | budget-rule | override | platform, with the skill section")
+
+
+class GenerateConfigResult(Result):
+    experiment: str
+    tag: str
+    method: str
+    backend: Literal["unsloth", "trl"]
+    backend_reason: str
+    resolved: dict[str, ResolvedValue]
+    files: list[str]
+    commit: str
+
+
+# --- launch_run / poll_progress / stop_run / prune_checkpoints ---------------------------
+
+
+class ProgressRecord(BaseModel):
+    """Exactly the record shape of the training-engineer seed, keys in this order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int
+    loss: float | None = Field(description="null only when the logged loss was NaN or infinite (see anomalies)")
+    lr: float
+    mem_gb: float | None
+    temp_c: float | None
+
+    @field_serializer("loss")
+    def _finite(self, v: float | None):
+        return None if v is None or not math.isfinite(v) else v
+
+
+class Anomaly(BaseModel):
+    kind: Literal["nan-loss", "inf-loss", "loss-spike", "stalled"]
+    step: int | None = None
+    message: str
+
+
+class LaunchResult(Result):
+    run_id: str
+    run_dir: str
+    launcher: str
+    pid: int | None = None
+    job_id: str | None = None
+    command: list[str] = Field(default_factory=list)
+    commit: str | None = None
+    warnings_accepted: list[str] = Field(default_factory=list)
+
+
+class PollResult(Result):
+    run_id: str
+    status: Literal["starting", "running", "succeeded", "failed", "stopped"]
+    exit_code: int | None = None
+    signal: str | None = None
+    detail: str | None = None
+    records: list[ProgressRecord]
+    last: ProgressRecord | None = None
+    anomalies: list[Anomaly] = Field(default_factory=list)
+    cursor: int
+    next_cursor: int
+    more: bool = Field(default=False, description="true when more records are waiting past `limit`")
+
+
+class StopResult(Result):
+    run_id: str
+    status: str
+    signal_sent: list[str] = Field(default_factory=list)
+    checkpoint: str | None = None
+
+
+class PruneResult(Result):
+    run_id: str
+    freed_bytes: int
+    removed: list[str] = Field(default_factory=list)
+
+
+# --- triage_failure ----------------------------------------------------------------------
+
+
+class EvidenceLine(BaseModel):
+    file: str
+    line: int
+    text: str
+
+
+class CauseCheck(BaseModel):
+    cause: str
+    verdict: Literal["explains", "cleared", "not-checked"]
+    why: str
+
+
+class TriageResult(Result):
+    failure_class: Literal["environment", "divergence", "oom", "none"]
+    none_reason: Literal["healthy", "unrecognised"] | None = None
+    evidence: list[EvidenceLine] = Field(default_factory=list)
+    check_id: str | None = None
+    causes: list[CauseCheck] = Field(default_factory=list)
+    next_rung: str | None = None
+    tried_rungs: list[str] = Field(default_factory=list)
+    next_step: str
+    halt_run: bool = False
+
+
+# --- gate and export ---------------------------------------------------------------------
+
+
+class EvalResult(Result):
+    run_id: str
+    task_accuracy: float | None = None
+    base_accuracy: float | None = None
+    eval_loss: float | None = None
+    drift: float | None = None
+    thresholds: dict[str, Any] = Field(default_factory=dict)
+    passed: dict[str, bool] = Field(default_factory=dict)
+    details: list[dict[str, Any]] = Field(default_factory=list)
+    report: str | None = None
+
+
+class VerdictResult(Result):
+    run_id: str
+    verdict: Literal["PROMOTE", "REJECT"]
+    adapter_sha256: str
+    report: str
+    signed_at: str
+
+
+class WriteEvalFileResult(Result):
+    path: str
+    bytes: int
+
+
+class ExportResult(Result):
+    run_id: str
+    exported: bool
+    verdict: Literal["PROMOTE", "REJECT"] | None = None
+    format: str | None = None
+    target_runtime: str | None = None
+    artifacts: list[str] = Field(default_factory=list)
+    smoke_test: dict[str, Any] | None = None
+    report: str | None = None
+    evidence: str | None = None
+    top_remediation: str | None = None

@@ -1,0 +1,56 @@
+"""Shared fixtures: a throwaway workspace, and real MCP clients talking to `finetune-mcp serve` over stdio."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+
+def server_command() -> list[str]:
+    exe = VENV_BIN / "finetune-mcp"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "finetune_mcp"]
+
+
+@pytest.fixture
+def ws_root(tmp_path, monkeypatch):
+    """A fresh DGX_SPARK_ROOT for one test, set in this process's env (children inherit it)."""
+    root = tmp_path / "dgx-spark"
+    root.mkdir()
+    monkeypatch.setenv("DGX_SPARK_ROOT", str(root))
+    monkeypatch.delenv("OUTPUT_ROOT", raising=False)
+    return root
+
+
+@contextlib.asynccontextmanager
+async def mcp_session(role: str = "training-engineer", env: dict | None = None, extra_args: list[str] | None = None):
+    """An MCP ClientSession over stdio to a real `finetune-mcp serve --role ROLE` process."""
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    cmd = server_command()
+    params = StdioServerParameters(
+        command=cmd[0],
+        args=cmd[1:] + ["serve", "--role", role] + (extra_args or []),
+        env={**os.environ, **(env or {})},
+    )
+    async with stdio_client(params) as (read, write):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            yield session
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The embedded tiny model, built once per test session by the real builder job."""
+    from finetune_mcp.worker import run_job
+
+    target = tmp_path_factory.mktemp("base-models") / "finetune-mcp-tiny"
+    run_job("build_tiny_model", {"target_dir": str(target), "seed": 0}, timeout=600)
+    return target
