@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hmac
 import importlib
+import inspect
 import json
 import logging
 import traceback
@@ -96,7 +97,7 @@ def build_server(role: str, ws: Workspace | None = None, data_dirs: list[Path] |
     def tool(name: str, annotations: ToolAnnotations, title: str):
         def deco(fn):
             if name in allowed:
-                server.add_tool(fn, name=name, title=title, annotations=annotations, description=fn.__doc__)
+                server.add_tool(fn, name=name, title=title, annotations=annotations, description=inspect.cleandoc(fn.__doc__ or ""))
             return fn
 
         return deco

@@ -18,9 +18,22 @@ def _data_dirs(args) -> list[Path]:
     return dirs
 
 
+def _report_modules_at_exit(path: str) -> None:
+    """Write the server's sys.modules at exit: how the tests prove the heavy stack never loads here."""
+    import atexit
+
+    def dump():
+        with open(path, "w") as f:
+            f.write("\n".join(sorted(sys.modules)))
+
+    atexit.register(dump)
+
+
 def cmd_serve(args) -> int:
     # Logs go to stderr: on stdio, stdout is the protocol channel.
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    if os.environ.get("FINETUNE_MCP_MODULES_REPORT"):
+        _report_modules_at_exit(os.environ["FINETUNE_MCP_MODULES_REPORT"])
     from finetune_mcp.errors import FtError
 
     try:
@@ -81,6 +94,13 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
+def cmd_toolref(args) -> int:
+    from finetune_mcp.toolref import render
+
+    print(render())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="finetune-mcp", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -110,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--target")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build_tiny)
+
+    r = sub.add_parser("tool-reference", help="print the markdown tool reference the README embeds")
+    r.set_defaults(fn=cmd_toolref)
 
     args = p.parse_args(argv)
     return args.fn(args)

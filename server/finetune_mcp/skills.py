@@ -62,27 +62,37 @@ def explain(e: ValidationError, model: type[BaseModel]) -> str:
 
 
 def _fields_at(model: type[BaseModel], loc) -> list[str]:
-    """Best effort: walk the model's annotations along loc to find the allowed field names there."""
+    """The field names allowed at `loc` inside `model`, stepping through dict/list values and Optionals."""
     import typing
 
+    def unwrap(t):
+        # -> (type, is_container): Optional/Union pick their model arm; dict/list step to the value type.
+        for _ in range(8):
+            origin = typing.get_origin(t)
+            if origin in (dict, list, tuple, set) or origin is typing.Union or str(origin) == "types.UnionType":
+                args = [a for a in typing.get_args(t) if a is not type(None)]
+                if origin in (dict, list, tuple, set):
+                    return args[-1] if args else t, True
+                models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+                t = models[0] if models else (args[0] if args else t)
+                continue
+            return t, False
+        return t, False
+
     cur: Any = model
+    skip_key = False
     for part in loc:
-        if isinstance(part, int):
+        if skip_key:
+            skip_key = False
             continue
-        if isinstance(cur, type) and issubclass(cur, BaseModel):
-            f = cur.model_fields.get(str(part))
-            if f is None:
-                return []
-            cur = f.annotation
-        else:
-            # dict[str, Model] or list[Model]: step into the value type
-            args = [a for a in typing.get_args(cur) if isinstance(a, type)]
-            cur = args[-1] if args else cur
-        while typing.get_args(cur) and not (isinstance(cur, type) and issubclass(cur, BaseModel)):
-            args = [a for a in typing.get_args(cur) if isinstance(a, type) and issubclass(a, BaseModel)]
-            if not args:
-                break
-            cur = args[-1]
+        if not (isinstance(cur, type) and issubclass(cur, BaseModel)):
+            return []
+        f = cur.model_fields.get(str(part))
+        if f is None:
+            return []
+        cur, skip_key = unwrap(f.annotation)
+    if skip_key:
+        return []
     return list(cur.model_fields) if isinstance(cur, type) and issubclass(cur, BaseModel) else []
 
 

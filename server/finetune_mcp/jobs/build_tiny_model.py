@@ -140,8 +140,6 @@ def build_tokenizer():
         chat_template=CHAT_TEMPLATE,
         model_max_length=MODEL_SHAPE["max_position_embeddings"],
         padding_side="left",
-        add_bos_token=False,
-        add_eos_token=False,
         clean_up_tokenization_spaces=False,
     )
 
