@@ -63,6 +63,8 @@ def main() -> None:
         "goals": {"time_ratio": 1.15, "rss_ratio": 1.3},
         "rounds": a.rounds,
     }
+    print("BENCH " + json.dumps({"figure": "cold start stdio (s, median)", "ours": out["cold_start_s"]["finetune-mcp"], "baseline": out["cold_start_s"]["bare MCPServer"], "ratio": out["time_ratio"], "goal": "<= 1.15"}))
+    print("BENCH " + json.dumps({"figure": "server RSS (MB)", "ours": out["rss_mb"]["finetune-mcp"], "baseline": out["rss_mb"]["bare MCPServer"], "ratio": out["rss_ratio"], "goal": "<= 1.3"}))
     print(json.dumps(out, indent=2) if a.json else
           f"cold start: finetune-mcp {out['cold_start_s']['finetune-mcp']}s vs bare {out['cold_start_s']['bare MCPServer']}s -> {out['time_ratio']}x (goal <= 1.15x)\n"
           f"RSS: finetune-mcp {out['rss_mb']['finetune-mcp']} MB vs bare {out['rss_mb']['bare MCPServer']} MB -> {out['rss_ratio']}x (goal <= 1.3x)")

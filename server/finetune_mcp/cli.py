@@ -23,7 +23,7 @@ def _report_modules_at_exit(path: str) -> None:
     import atexit
 
     def dump():
-        with open(path, "w") as f:
+        with open(path.replace("{pid}", str(os.getpid())), "w") as f:
             f.write("\n".join(sorted(sys.modules)))
 
     atexit.register(dump)
@@ -80,7 +80,7 @@ def cmd_triage(args) -> int:
 def cmd_demo(args) -> int:
     from finetune_mcp.demo import run_demo
 
-    return run_demo(root=args.root, keep=args.keep, gguf=args.gguf)
+    return run_demo(root=args.root, gguf=args.gguf)
 
 
 def cmd_build_tiny(args) -> int:
@@ -122,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="run the whole lifecycle on the embedded tiny model through real MCP sessions")
     d.add_argument("--root", help="DGX_SPARK_ROOT to use (default: a throwaway temp dir)")
-    d.add_argument("--keep", action="store_true", help="keep the throwaway root")
     d.add_argument("--gguf", choices=["auto", "yes", "no"], default="auto", help="also export GGUF when llama.cpp is available")
     d.set_defaults(fn=cmd_demo)
 

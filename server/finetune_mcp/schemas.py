@@ -79,6 +79,21 @@ class PreflightResult(Result):
     memory_estimate: dict[str, Any] = Field(default_factory=dict)
     env_report: str
 
+    def text(self) -> str:
+        lines = [self.summary, ""]
+        for c in self.checks:
+            lines.append(f"[{c.status.upper()}] {c.id} {c.name}: {c.observed}")
+            lines.append(f"       threshold: {c.threshold}")
+            if c.status != "pass" and c.remediation:
+                lines.append(f"       next step: {c.remediation} ({c.cite})")
+        gb = (self.memory_estimate or {}).get("gb") or {}
+        if gb:
+            parts = ", ".join(f"{k} {v:g}" for k, v in gb.items() if k != "total")
+            lines.append("")
+            lines.append(f"memory estimate: {gb.get('total'):g} GB ({parts}); {self.memory_estimate.get('formula', '')}")
+        lines.append(f"env-report: {self.env_report}")
+        return "\n".join(lines)
+
 
 # --- generate_config ---------------------------------------------------------------------
 
@@ -179,7 +194,7 @@ class CauseCheck(BaseModel):
 
 class TriageResult(Result):
     failure_class: Literal["environment", "divergence", "oom", "none"]
-    none_reason: Literal["healthy", "unrecognised"] | None = None
+    none_reason: Literal["healthy", "unrecognised", "stopped"] | None = None
     evidence: list[EvidenceLine] = Field(default_factory=list)
     check_id: str | None = None
     causes: list[CauseCheck] = Field(default_factory=list)

@@ -28,8 +28,206 @@ def table(skill: str, name: str):
 
 # --- dataset-curation ---
 
+from pydantic import model_validator as _dc_model_validator  # noqa: E402  (section-local import)
+
+DC_METHODS = ("sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft")
+DC_FORMATS = ("messages", "prompt-completion", "preference", "kto", "grpo", "vision")
+
+
+class DcFormat(Strict):
+    """One dataset format a method trains on."""
+
+    methods: list[Literal["sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft"]]
+    required_fields: list[str]
+    optional_fields: list[str] = Field(default_factory=list)
+    example: str = Field(description="one JSON line of this format")
+    loss_on: str = Field(description="which tokens carry the loss by default")
+    trainer_setting: str = Field(description="the TRL config value that gives that masking")
+    anchor: str
+
+
+class DcConversion(Strict):
+    """A shape the tool rewrites into a format without losing anything."""
+
+    id: Literal["sharegpt-to-messages", "conversations-to-messages", "implicit-prompt-preference", "preference-to-kto"]
+    source: str = Field(description="the detected shape")
+    target: Literal["messages", "prompt-completion", "preference", "kto", "grpo", "vision"]
+    only_for: list[str] = Field(default_factory=list, description="methods it applies to (empty: every method the target fits)")
+    how: str
+    role_map: dict[str, str] = Field(default_factory=dict)
+
+
+class DcRefusedShape(Strict):
+    shape: str
+    detect_fields: list[str]
+    why: str
+
+
+@table("dataset-curation", "formats")
+class DcFormatsTable(Strict):
+    formats: dict[Literal["messages", "prompt-completion", "preference", "kto", "grpo", "vision"], DcFormat]
+    conversions: list[DcConversion]
+    refused_shapes: list[DcRefusedShape]
+    reference_fields: list[str] = Field(description="GRPO: column names accepted as the reference answer, in order of preference")
+    roles: list[str]
+
+
+class DcShareRule(Strict):
+    warn_above: float = Field(ge=0, le=1, description="share of records above which a warning is raised (0: any)")
+    fail_above: float = Field(ge=0, le=1, description="share of records above which the phase fails")
+    action: Literal["drop", "keep", "truncate"]
+    why: str
+
+
+@table("dataset-curation", "validation")
+class DcValidationTable(Strict):
+    always_fail: dict[str, str] = Field(description="problem code -> why one occurrence fails the phase")
+    share_rules: dict[str, DcShareRule]
+    min_examples: int = Field(ge=1)
+    min_eval_examples: int = Field(ge=0)
+    decoded_samples: dict[Literal["min", "max"], int]
+    listed_per_code: int = Field(ge=1, description="problems listed one by one per code; the rest are counted")
+
+
+class DcMetric(Strict):
+    warn_below: float | None = None
+    fail_below: float | None = None
+    warn_above: float | None = None
+    fail_above: float | None = None
+    why: str
+
+
+class DcMinHash(Strict):
+    num_perm: int = Field(ge=16, le=512)
+    bands: int = Field(ge=1)
+    shingle_words: int = Field(ge=1, le=10)
+    jaccard: float = Field(gt=0, le=1)
+
+    @_dc_model_validator(mode="after")
+    def _bands_divide(self):
+        if self.num_perm % self.bands:
+            raise ValueError(f"num_perm {self.num_perm} must be a multiple of bands {self.bands}")
+        return self
+
+
+@table("dataset-curation", "collapse")
+class DcCollapseTable(Strict):
+    sample_words: int = Field(ge=100, description="distinct-n is measured on this many words of trained text, so sets of any size compare")
+    opening_words: int = Field(ge=1, le=10)
+    min_records: int = Field(ge=2, description="below this the metrics are reported but cannot fail the phase")
+    minhash: DcMinHash
+    metrics: dict[Literal["distinct-1", "distinct-2", "near-duplicate-share", "length-cv", "top-opening-share"], DcMetric]
+
+
+class DcCardField(Strict):
+    key: str
+    title: str
+    what: str
+
+
+class DcChecklistItem(Strict):
+    id: str
+    item: str
+    verified_by: str
+
+
+@table("dataset-curation", "card")
+class DcCardTable(Strict):
+    card_fields: list[DcCardField] = Field(min_length=6, max_length=6)
+    exit_checklist: list[DcChecklistItem]
+
 
 # --- spark-preflight ---
+
+from pydantic import model_validator as _sp_model_validator  # noqa: E402  (section-local import)
+
+PREFLIGHT_CHECK_IDS = ("G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1")
+PreflightPlatform = Literal["dgx-spark", "generic-nvidia", "cpu"]
+
+
+class PreflightThresholds(Strict):
+    """The limits one check applies; each check sets only the fields it uses."""
+
+    min_cuda: float | None = Field(default=None, description="lowest CUDA major.minor accepted (driver's or torch's build)")
+    min_ptxas: float | None = Field(default=None, description="lowest ptxas release Triton may use for the device")
+    headroom_fraction: float | None = Field(default=None, gt=0, le=1, description="share of the available memory an estimate may fill before a warning")
+    min_free_gb: float | None = Field(default=None, ge=0, description="free space below which a run cannot even write checkpoints")
+    export_slack_gb: float | None = Field(default=None, ge=0, description="free space wanted beyond checkpoints + a merged 16-bit export")
+    max_temp_c: float | None = Field(default=None, description="temperature that warns, when NVML gives no slowdown threshold")
+    slowdown_margin_c: float | None = Field(default=None, ge=0, description="warn this many degrees below NVML's slowdown threshold")
+    throttle_reasons: list[str] | None = Field(default=None, description="NVML clock-event reasons that warn when active")
+    required_imports: list[str] | None = Field(default=None, description="modules without which no backend can train")
+    backend_imports: list[str] | None = Field(default=None, description="modules of the Unsloth fast path (TRL+PEFT remains without them)")
+    method_imports: dict[str, list[str]] | None = Field(default=None, description="modules a method needs on top (method id -> modules)")
+    min_capability: float | None = Field(default=None, description="lowest compute capability with native bf16")
+    max_params: int | None = Field(default=None, gt=0, description="largest parameter count trained on a CPU without a warning")
+    gpu_only_methods: list[str] | None = Field(default=None, description="methods whose kernels need CUDA")
+
+
+class PreflightCheck(Strict):
+    id: Literal["G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1"]
+    name: str
+    platforms: list[PreflightPlatform] = Field(min_length=1)
+    what: str = Field(description="one line: what is observed and compared")
+    thresholds: PreflightThresholds = Field(default_factory=PreflightThresholds)
+    remediation: str = Field(description="the next step when the check does not pass")
+    remedies: dict[str, str] = Field(default_factory=dict, description="cause code -> a more specific next step")
+    cite: str = Field(description="anchor of this check's section in SKILL.md")
+
+
+@table("spark-preflight", "checks")
+class PreflightChecks(Strict):
+    cuda_min_driver: dict[int, int] = Field(description="CUDA major -> lowest Linux driver branch (CUDA Compatibility, minor version compatibility table)")
+    spark_gpu_names: list[str] = Field(min_length=1, description="NVML device-name substrings that identify a DGX Spark GPU")
+    spark_capability: tuple[int, int]
+    checks: list[PreflightCheck]
+
+    @_sp_model_validator(mode="after")
+    def _every_id_once(self):
+        ids = [c.id for c in self.checks]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        missing = [i for i in PREFLIGHT_CHECK_IDS if i not in ids]
+        if dupes or missing:
+            raise ValueError(f"each check id appears exactly once (duplicated: {dupes}, missing: {missing})")
+        return self
+
+    def check(self, check_id: str) -> PreflightCheck:
+        return next(c for c in self.checks if c.id == check_id)
+
+
+class MemoryMethod(Strict):
+    weights: Literal["16bit", "nf4"] = Field(description="how the frozen base weights are held on a GPU")
+    sequences_per_example: int = Field(ge=1, description="sequences one example puts through forward+backward (chosen+rejected = 2)")
+    kv_cache_sequences: int = Field(default=0, ge=0, description="sequences generated per prompt whose KV cache is held (GRPO)")
+    note: str
+
+
+class MemoryDefaults(Strict):
+    lora_r: int = Field(gt=0)
+    lora_targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(min_length=1)
+    micro_batch_size: int = Field(gt=0)
+    gradient_checkpointing_gpu: bool
+    gradient_checkpointing_cpu: bool
+
+
+@table("spark-preflight", "memory")
+class MemoryTable(Strict):
+    bytes_per_param: dict[Literal["fp32", "16bit", "nf4"], float]
+    nf4_constant_bits_per_param: float = Field(ge=0, description="quantisation constants per 4-bit weight after double quantisation")
+    trainable_bytes_per_param: float = Field(gt=0, description="fp32 adapter weight + fp32 gradient + AdamW's two fp32 moments")
+    activation_bytes_per_value: dict[Literal["fp32", "16bit"], float]
+    logits_bytes_per_token_vocab: dict[Literal["fp32", "16bit"], float]
+    overhead_gb: dict[Literal["cuda", "cpu"], float]
+    defaults: MemoryDefaults
+    methods: dict[Literal["sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft"], MemoryMethod]
+
+    @_sp_model_validator(mode="after")
+    def _every_method(self):
+        missing = {"sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft"} - set(self.methods)
+        if missing:
+            raise ValueError(f"methods lacks {sorted(missing)}")
+        return self
+
 
 
 # --- dgx-spark-ops ---
@@ -158,6 +356,178 @@ class OomLadderTable(Strict):
 
 
 # --- lora-qlora-recipes / preference-optimization / grpo-rlvr-training / vision-sft ---
+
+from pydantic import model_validator as _recipe_validator  # noqa: E402  (section-local, as above)
+
+RecipeMethod = Literal["sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft"]
+RecipePlatform = Literal["cpu", "generic-nvidia", "dgx-spark"]
+# Where a resolved value lands in train.py: the model load, the 4-bit quantization config (TRL only),
+# the adapter (get_peft_model / LoraConfig), the trainer's *Config, or the script itself.
+CallName = Literal["load", "quantization", "peft", "trainer", "script"]
+_ANCHOR = r"^[a-z0-9-]+#[A-Za-z0-9_.-]+$"
+
+
+class RecipeParam(Strict):
+    """One knob of a recipe: its value, the settled range around it, and the section that explains it."""
+
+    default: Any = Field(description="the value the recipe uses")
+    kind: Literal["float", "int", "bool", "str", "list", "dict"]
+    range: list[float] | None = Field(None, min_length=2, max_length=2, description="settled range [low, high]")
+    choices: list[Any] | None = None
+    nullable: bool = Field(False, description="null is an accepted value")
+    cite: str = Field(pattern=_ANCHOR)
+    note: str | None = None
+
+
+class RecipeTrainer(Strict):
+    module: str = Field(description="import path of the trainer, e.g. trl or trl.experimental.cpo")
+    config: str = Field(description="the *Config class")
+    trainer: str = Field(description="the *Trainer class")
+    fixed: dict[str, Any] = Field(default_factory=dict, description="trainer-config arguments this method always sets")
+
+
+class RecipeSignal(Strict):
+    """The logged metric that shows the method learning, and which way it should move."""
+
+    metric: str
+    direction: Literal["falls", "rises"]
+
+
+class Recipe(Strict):
+    label: str
+    cite: str = Field(pattern=_ANCHOR)
+    inherits: str | None = Field(None, pattern=r"^[a-z0-9-]+/[a-z0-9-]+$", description="skill/method whose params this recipe starts from")
+    drops: list[str] = Field(default_factory=list, description="inherited params that do not apply to this method")
+    dataset_formats: list[str] = Field(min_length=1)
+    trainer: RecipeTrainer
+    signal: RecipeSignal
+    params: dict[str, RecipeParam]
+
+    @_recipe_validator(mode="after")
+    def _ranges_hold_defaults(self):
+        for k, p in self.params.items():
+            if p.range and p.range[0] > p.range[1]:
+                raise ValueError(f"param {k!r}: range low {p.range[0]} is above high {p.range[1]}")
+            if p.choices is not None and p.default is not None and p.kind != "list" and p.default not in p.choices:
+                raise ValueError(f"param {k!r}: default {p.default!r} is not one of its choices {p.choices}")
+        return self
+
+
+class RecipesTable(Strict):
+    recipes: dict[RecipeMethod, Recipe] = Field(min_length=1)
+
+
+for _skill in ("lora-qlora-recipes", "preference-optimization", "grpo-rlvr-training", "vision-sft"):
+    TABLES[(_skill, "recipes")] = RecipesTable
+
+
+class RuleWhen(Strict):
+    """Conditions on the run's context; a list means any of its values. All given conditions must hold."""
+
+    platform: list[RecipePlatform] | None = None
+    method: list[RecipeMethod] | None = None
+    backend: list[Literal["unsloth", "trl"]] | None = None
+    model: list[str] | None = Field(None, description="base model names as the brief writes them")
+    bf16: bool | None = Field(None, description="the preflight observed bf16 support")
+    bitsandbytes: bool | None = Field(None, description="the preflight observed bitsandbytes importable")
+    generation_template: bool | None = Field(None, description="the model's chat template marks assistant turns with {% generation %}")
+
+
+class Rule(Strict):
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    kind: Literal["platform", "model", "precision"]
+    when: RuleWhen
+    set: dict[str, Any] = Field(min_length=1, description="recipe params this rule sets (only those the method's recipe has)")
+    why: str
+    cite: str = Field(pattern=_ANCHOR)
+
+
+class BudgetModel(Strict):
+    """The memory estimate generate_config compares with the brief's budget, and the order of its rules."""
+
+    headroom: float = Field(gt=0, le=1, description="share of the budget the estimate may fill")
+    bytes_per_param: dict[str, float] = Field(description="weight bytes per parameter by storage: fp32, bf16, fp16, nf4")
+    adam_bytes_per_trainable_param: float = Field(gt=0, description="fp32 weights + grads + two Adam moments")
+    activation_bytes_per_token_layer_hidden: float = Field(gt=0, description="activations kept per token, layer and hidden unit without checkpointing")
+    checkpointing_activation_factor: float = Field(gt=0, le=1, description="share of activations kept with gradient checkpointing")
+    overhead_gb: float = Field(ge=0, description="framework, CUDA context, allocator slack")
+    order: list[Literal["gradient-checkpointing", "halve-batch", "qlora"]] = Field(min_length=1)
+    qlora_allowed_words: list[str] = Field(description="phrases in the brief's Memory Budget or Chosen Method sections that allow a QLoRA fallback")
+    cite: str = Field(pattern=_ANCHOR)
+
+
+class RulesTable(Strict):
+    rules: list[Rule] = Field(min_length=1)
+    budget: BudgetModel
+
+
+TABLES[("lora-qlora-recipes", "rules")] = RulesTable
+
+
+class BackendsTable(Strict):
+    """Which methods Unsloth trains on which platform; everything else takes the TRL escape hatch."""
+
+    unsloth_supports: dict[RecipePlatform, list[RecipeMethod]]
+    preferred: Literal["unsloth", "trl"]
+    cite: str = Field(pattern=_ANCHOR)
+    note: str
+
+
+TABLES[("lora-qlora-recipes", "backends")] = BackendsTable
+
+
+class MapValue(Strict):
+    value: Any
+    becomes: Any
+
+
+class MapTarget(Strict):
+    call: CallName
+    arg: str = Field(description="the keyword argument of that call")
+    values: list[MapValue] = Field(default_factory=list, description="value translations; values not listed pass unchanged")
+    methods: list[RecipeMethod] | None = Field(None, description="only for these methods")
+
+
+class MappingRow(Strict):
+    key: str = Field(description="the recipe param")
+    unsloth: list[MapTarget] = Field(default_factory=list, description="where the Unsloth template passes it (empty: nowhere)")
+    trl: list[MapTarget] = Field(default_factory=list, description="where the TRL + PEFT + transformers template passes it")
+    unsloth_api: str = Field(description="the Unsloth argument as its docs write it")
+    trl_api: str = Field(description="the TRL / PEFT / transformers equivalent")
+    note: str | None = None
+
+
+class MappingTable(Strict):
+    """Every recipe param that the two templates pass differently; any other param goes to the trainer
+    config under its own name in both."""
+
+    rows: list[MappingRow] = Field(min_length=1)
+    cite: str = Field(pattern=_ANCHOR)
+
+    @_recipe_validator(mode="after")
+    def _unique(self):
+        keys = [r.key for r in self.rows]
+        dup = {k for k in keys if keys.count(k) > 1}
+        if dup:
+            raise ValueError(f"mapping rows repeat keys {sorted(dup)}: one row per param")
+        return self
+
+
+TABLES[("lora-qlora-recipes", "unsloth-trl-mapping")] = MappingTable
+
+
+class RewardFn(Strict):
+    needs: list[str] = Field(default_factory=list, description="dataset columns the function reads")
+    range: list[float] = Field(min_length=2, max_length=2)
+    description: str
+    cite: str = Field(pattern=_ANCHOR)
+
+
+class RewardsTable(Strict):
+    rewards: dict[str, RewardFn] = Field(min_length=1)
+
+
+TABLES[("grpo-rlvr-training", "rewards")] = RewardsTable
 
 
 # --- quantized-export ---

@@ -1,0 +1,221 @@
+"""`finetune-mcp demo`: the whole lifecycle on the embedded tiny model, through real MCP sessions.
+
+Two real `finetune-mcp serve` processes (one per role) are driven by the official MCP client,
+exactly as a coding agent would drive them; what each call returns is printed for a person.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from finetune_mcp.embedded import task
+
+TAG = "r8-demo"
+BAD_TAG = "lr-absurd"
+# An absurd learning rate: a real divergence for triage to find (not an injected fake log).
+ABSURD_LR = 50.0
+
+
+class DemoFailed(Exception):
+    pass
+
+
+def _w(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _h(title: str) -> None:
+    _w()
+    _w("=" * 78)
+    _w(title)
+    _w("=" * 78)
+
+
+@asynccontextmanager
+async def session(role: str, env: dict[str, str]):
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    exe = Path(sys.executable).parent / "finetune-mcp"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "finetune_mcp"]
+    params = StdioServerParameters(command=cmd[0], args=cmd[1:] + ["serve", "--role", role], env=env)
+    async with stdio_client(params, errlog=open(os.devnull, "w")) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            yield s
+
+
+async def call(s, tool: str, args: dict[str, Any], *, ok: bool = True, show: bool = True, progress=None) -> dict:
+    short = {k: (v if not isinstance(v, str) or len(v) < 60 else "…" + v[-50:]) for k, v in args.items()}
+    _w(f"\n→ {tool}({json.dumps(short)})")
+    r = await s.call_tool(tool, args, progress_callback=progress)
+    text = r.content[0].text if r.content else ""
+    if r.is_error:
+        _w("  ✗ " + text.replace("\n", "\n    "))
+        if ok:
+            raise DemoFailed(f"{tool} failed: {text}")
+        return {"_error": text}
+    sc = r.structured_content or {}
+    if show:
+        _w("  " + sc.get("summary", text.splitlines()[0] if text else ""))
+    return sc
+
+
+async def poll_until_done(s, run_id: str, *, stop_on_nan: bool = False, budget_s: float = 600) -> dict:
+    cursor, t0, res = 0, time.monotonic(), {}
+    while time.monotonic() - t0 < budget_s:
+        res = await s.call_tool("poll_progress", {"run_id": run_id, "cursor": cursor, "limit": 1000})
+        if res.is_error:
+            raise DemoFailed(res.content[0].text)
+        res = res.structured_content
+        for rec in res["records"]:
+            _w("  " + json.dumps(rec))
+        cursor = res["next_cursor"]
+        for a in res.get("anomalies", []):
+            _w(f"  ! anomaly: {a['kind']} — {a['message']}")
+        if res["status"] in ("succeeded", "failed", "stopped"):
+            _w(f"  status: {res['status']}" + (f" (exit code {res['exit_code']})" if res.get("exit_code") is not None else "")
+               + (f" (signal {res['signal']})" if res.get("signal") else ""))
+            return res
+        if stop_on_nan and any(a["kind"] in ("nan-loss", "inf-loss") for a in res.get("anomalies", [])):
+            return res
+        await anyio.sleep(1.0)
+    raise DemoFailed(f"{run_id} did not finish within {budget_s:.0f}s")
+
+
+async def lifecycle(root: Path, env: dict[str, str], gguf: str) -> dict:
+    inbox = root / "inbox"
+    inbox.mkdir(parents=True, exist_ok=True)
+    brief = inbox / "training-brief.md"
+    brief.write_text(task.sample_brief("sft-lora"))
+    data = task.write_jsonl(task.sft_conversations(2000, seed=0), inbox / "repeat-words-sft.jsonl")
+    landed: dict[str, Any] = {}
+
+    _h("Training engineer — Phase 2: prepare_dataset")
+    async with session("training-engineer", env) as s:
+        prep = await call(s, "prepare_dataset", {"brief_path": str(brief), "source": str(data)})
+        exp = prep["experiment"]
+        landed["experiment"] = prep["experiment_dir"]
+        if prep.get("decoded_samples"):
+            _w("\n  A decoded packed sequence ([[…]] = tokens that carry loss, ¦ = sample boundary):")
+            _w("  " + prep["decoded_samples"][0][:900].replace("\n", "\n  "))
+        for item in prep.get("checklist", []):
+            _w(f"  [{'x' if item['ok'] else ' '}] {item['item']}")
+        if not prep["complete"]:
+            raise DemoFailed("Phase 2 is not complete")
+
+        _h("Phase 3: preflight")
+        pf = await call(s, "preflight", {"experiment": exp})
+        for c in pf["checks"]:
+            _w(f"  {c['id']:<4} {c['status']:<5} {c['name']}: {c['observed']}")
+        accept = pf["verdict"] == "ready-with-warnings"
+        if pf["verdict"] == "blocked":
+            raise DemoFailed("preflight is blocked")
+
+        _h("Phase 4: generate_config, launch_run, poll_progress")
+        cfg = await call(s, "generate_config", {"experiment": exp, "tag": TAG})
+        _w(f"  backend: {cfg['backend']} — {cfg['backend_reason']}")
+        _w(f"  committed: {cfg['commit'][:12]}")
+        for k in ("learning_rate", "max_steps", "lora_r", "modules_to_save"):
+            if k in cfg["resolved"]:
+                v = cfg["resolved"][k]
+                _w(f"  {k} = {v['value']}   ({v['source']})")
+        if accept:
+            _w("  Preflight returned ready-with-warnings; the demo's user (you) accepts them for this CPU run.")
+        run = await call(s, "launch_run", {"experiment": exp, "tag": TAG, "accept_warnings": accept})
+        run_id = run["run_id"]
+        landed["run"] = run["run_dir"]
+        done = await poll_until_done(s, run_id)
+        if done["status"] != "succeeded":
+            raise DemoFailed(f"the demo run ended {done['status']}")
+
+        _h("A second run with an absurd learning rate, then triage_failure")
+        await call(s, "generate_config", {"experiment": exp, "tag": BAD_TAG, "overrides": {"learning_rate": ABSURD_LR}})
+        bad = await call(s, "launch_run", {"experiment": exp, "tag": BAD_TAG, "accept_warnings": accept})
+        res = await poll_until_done(s, bad["run_id"], stop_on_nan=True)
+        if res["status"] not in ("succeeded", "failed", "stopped"):
+            _w("  The loss went non-finite: halting the run, as the divergence response says.")
+            await call(s, "stop_run", {"run_id": bad["run_id"], "grace_seconds": 20})
+        tri = await call(s, "triage_failure", {"run_id": bad["run_id"]})
+        for e in tri.get("evidence", [])[:6]:
+            _w(f"  {Path(e['file']).name}:{e['line']}: {e['text'][:150]}")
+        for c in tri.get("causes", []):
+            _w(f"  cause {c['cause']}: {c['verdict']} — {c['why'][:160]}")
+        _w(f"  next step: {tri['next_step']}")
+        landed["failed_run"] = bad["run_dir"]
+
+    _h("Eval engineer — Phase 5: evaluate_checkpoint, record_verdict")
+    async with session("eval-engineer", env) as s:
+        suite = task.eval_suite(40, seed=1)
+        files = {
+            "prompts.jsonl": "".join(json.dumps({"prompt": r["prompt"], "expected": r["expected"]}) + "\n" for r in suite),
+            "goldens.jsonl": "".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in suite[:5]),
+            "drift.jsonl": "".join(json.dumps({"prompt": p}) + "\n" for p in task.drift_prompts()),
+        }
+        for name, content in files.items():
+            await call(s, "write_eval_file", {"experiment": exp, "relpath": name, "content": content})
+        ev = await call(s, "evaluate_checkpoint", {"run_id": run_id})
+        _w(f"  task accuracy: base model {ev.get('base_accuracy')} → fine-tuned {ev.get('task_accuracy')}")
+        _w(f"  eval loss: {ev.get('eval_loss')}   drift: {ev.get('drift')}   thresholds: {ev.get('thresholds')}")
+        passed = bool(ev.get("passed")) and all(ev["passed"].values())
+        verdict = "PROMOTE" if passed else "REJECT"
+        evidence = f"task accuracy {ev.get('base_accuracy')} -> {ev.get('task_accuracy')}; eval loss {ev.get('eval_loss')}; drift {ev.get('drift')}"
+        await call(s, "record_verdict", {"run_id": run_id, "verdict": verdict, "evidence": evidence,
+                                         "top_remediation": "" if passed else "train longer (more steps) before re-evaluating"})
+        landed["promotion_report"] = str(Path(run["run_dir"]) / "promotion-report.md")
+
+    _h("Training engineer — Phase 6: export with the smoke test")
+    async with session("training-engineer", env) as s:
+        formats = [("merged-16bit", "transformers")]
+        if gguf == "yes" or (gguf == "auto" and _llama_available()):
+            formats.append(("gguf-q8_0", "llama.cpp"))
+        elif gguf == "auto":
+            _w("  (GGUF skipped: llama-cpp-python is not installed — `pip install -e .[export]` adds it)")
+        for fmt, rt in formats:
+            ex = await call(s, "export", {"run_id": run_id, "format": fmt, "target_runtime": rt}, ok=(verdict == "PROMOTE"))
+            st = ex.get("smoke_test") or {}
+            for row in st.get("rows", [])[:5]:
+                mark = "=" if row.get("match") else "≠"
+                _w(f"  {mark} {row.get('prompt', '')[:40]!r}: before {row.get('before', '')[:40]!r} after {row.get('after', '')[:40]!r}")
+            if ex.get("report"):
+                landed[f"export {fmt}"] = ex["report"]
+    return landed
+
+
+def _llama_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def run_demo(root: str | None = None, gguf: str = "auto") -> int:
+    throwaway = root is None
+    base = Path(root) if root else Path(tempfile.mkdtemp(prefix="finetune-mcp-demo-"))
+    base.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DGX_SPARK_ROOT": str(base)}
+    env.pop("OUTPUT_ROOT", None) if throwaway else None
+    t0 = time.monotonic()
+    _w(f"finetune-mcp demo — DGX_SPARK_ROOT={base}{' (throwaway)' if throwaway else ''}")
+    try:
+        landed = anyio.run(lifecycle, base, env, gguf)
+    except DemoFailed as e:
+        _w(f"\nDEMO FAILED: {e}")
+        return 1
+    _h("Where everything landed")
+    for k, v in landed.items():
+        _w(f"  {k:<18} {v}")
+    _w(f"\nDone in {time.monotonic() - t0:.0f}s.")
+    if throwaway:
+        _w(f"(the throwaway root stays for you to inspect: {base}; delete it when done, or pass --root DIR)")
+    return 0

@@ -1,0 +1,119 @@
+"""The run supervisor: starts the trainer, keeps its output, and records how it ended in exit.json.
+
+Copied into each run directory as .runwrap.py and started detached by launch_run:
+
+    <python> <run_dir>/.runwrap.py --run-dir <run_dir> -- <trainer argv...>
+
+It outlives the server that started it, so the exit status is written even when no server is
+running. Stdlib only: it runs under whatever Python is at hand (the training one, or the host's
+for a container run).
+
+exit.json: {"returncode": int, "signal": "SIGKILL" | null, "ended_at": ISO-8601 UTC,
+"stopped_by": "stop_run" | null, "pid": trainer pid, "wrapper_pid": int}. For a trainer killed by
+a signal, returncode follows the shell convention 128 + signal number and `signal` names it; a
+trainer that caught SIGTERM and exited 143 by itself has signal null.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+STOP_MARKER = "stop-requested"
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _write_json_atomic(path: str, obj: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".exit.", suffix=".tmp", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[0] != "--run-dir" or argv[2] != "--":
+        print("usage: .runwrap.py --run-dir DIR -- COMMAND...", file=sys.stderr)
+        return 2
+    run_dir, cmd = os.path.abspath(argv[1]), argv[3:]
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    exit_path = os.path.join(run_dir, "exit.json")
+    stop_path = os.path.join(run_dir, STOP_MARKER)
+    child: list[subprocess.Popen] = []
+    early: list[int] = []
+
+    def on_signal(signum, frame):
+        # stop_run signals the whole process group, so the trainer already has it; anyone who
+        # signals this supervisor alone (kill <pid> from run.json) means the run, so pass it on.
+        if not child:
+            early.append(signum)
+        elif not os.path.exists(stop_path):
+            try:
+                child[0].send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    # A closing terminal or a dying server is no reason for the run to end.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    with open(os.path.join(logs, "stdout.log"), "ab", buffering=0) as out:
+        if early:  # stopped before the trainer existed: do not start it at all
+            _write_json_atomic(exit_path, {"returncode": 128 + early[0], "signal": signal.Signals(early[0]).name,
+                                           "ended_at": _utc_now(), "stopped_by": "stop_run" if os.path.exists(stop_path) else None,
+                                           "pid": None, "wrapper_pid": os.getpid()})
+            return 128 + early[0]
+        try:
+            child.append(subprocess.Popen(cmd, cwd=run_dir, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          close_fds=True, restore_signals=True))
+        except OSError as e:
+            out.write(f"finetune-mcp: cannot start {cmd[0]!r}: {e}\n".encode())
+            _write_json_atomic(exit_path, {"returncode": 127, "signal": None, "ended_at": _utc_now(),
+                                           "stopped_by": "stop_run" if os.path.exists(stop_path) else None,
+                                           "pid": None, "wrapper_pid": os.getpid(), "error": str(e)})
+            return 127
+        proc = child[0]
+        if early:
+            proc.send_signal(early[0])
+        with open(os.path.join(run_dir, ".trainer.pid.tmp"), "w") as f:
+            f.write(f"{proc.pid}\n")
+        os.replace(os.path.join(run_dir, ".trainer.pid.tmp"), os.path.join(run_dir, ".trainer.pid"))
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except InterruptedError:
+                continue
+
+    sig = None
+    if rc < 0:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = f"SIG{-rc}"
+        rc = 128 - rc
+    _write_json_atomic(exit_path, {
+        "returncode": rc,
+        "signal": sig,
+        "ended_at": _utc_now(),
+        "stopped_by": "stop_run" if os.path.exists(stop_path) else None,
+        "pid": proc.pid,
+        "wrapper_pid": os.getpid(),
+    })
+    return rc if rc < 256 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,568 @@
+"""Phase 5, the eval engineer's gate: the eval/ suite, evaluate_checkpoint, and the signed PROMOTE/REJECT verdict.
+
+Eval suite (files in <experiment>/eval/, written with write_eval_file):
+  prompts.jsonl  required  {"prompt": text or [{role, content}...], "expected": text}   task accuracy
+  goldens.jsonl  optional  {"prompt": ..., "output": text (optional)}   golden prompts; the outputs of the
+                           adapter on them are recorded at evaluation, signed into the verdict, and
+                           replayed by export's smoke test. With "output", the adapter must reproduce it.
+                           Without goldens.jsonl the first prompts of prompts.jsonl serve.
+  drift.jsonl    optional  {"prompt": ...}   prompts whose base-model answers should not change
+  eval.yaml      optional  thresholds (override the brief's ## Evaluation), match, max_new_tokens,
+                           drift_max_new_tokens, loss_data (prepared | prompts), max_loss_rows, goldens
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import yaml
+
+from finetune_mcp import schemas as S
+from finetune_mcp.context import PhaseContext
+from finetune_mcp.digest import DIGEST_FILE, verify_folder
+from finetune_mcp.errors import BadInput, Forbidden, FtError, NotFound, Refused
+from finetune_mcp.workspace import parse_run_ref, utc_now
+
+SKILL = "quantized-export"
+EVAL_DIR = "eval"
+SUITE_FILES = ("prompts.jsonl", "goldens.jsonl", "drift.jsonl", "eval.yaml")
+EVAL_REPORT = "eval-report.md"
+PROMOTION_REPORT = "promotion-report.md"
+EVAL_MARKER = "<!-- finetune-mcp:eval-result (written by evaluate_checkpoint) -->"
+_EVAL_BLOCK = re.compile(re.escape(EVAL_MARKER) + r"\s*```json\n(.*?)\n```", re.S)
+MAX_EVAL_FILE = 5 * 1024 * 1024
+THRESHOLD_KEYS = {"min_accuracy": "task accuracy", "max_drift": "drift", "max_eval_loss": "eval loss"}
+EVAL_YAML_KEYS = {"thresholds", "match", "max_new_tokens", "drift_max_new_tokens", "loss_data", "max_loss_rows", "goldens"}
+MIN_GOLDENS, MAX_GOLDENS = 3, 5
+
+
+# ---------------------------------------------------------------- run facts (shared with export)
+
+
+def run_paths(pc: PhaseContext, run_id: str) -> tuple[str, Path, Path]:
+    """(experiment, run dir, experiment dir) for '<experiment>/<run-id>'."""
+    experiment, _ = parse_run_ref(run_id)
+    r = pc.ws.run_dir(run_id)
+    return experiment, r, pc.ws.experiments_dir / experiment
+
+
+def adapter_digest(r: Path, run_id: str) -> str:
+    """The digest of the run's adapter/, refusing when it is missing or does not match its DIGEST."""
+    adapter = r / "adapter"
+    if not (adapter / "adapter_config.json").is_file():
+        raise Refused(
+            f"run {run_id} has no adapter yet",
+            where=str(adapter),
+            fix="wait until poll_progress reports the run succeeded; train.py writes adapter/ with its DIGEST at the end",
+        )
+    ok, actual, recorded = verify_folder(adapter)
+    if not ok:
+        why = "has no DIGEST file" if recorded is None else f"does not match its DIGEST (recorded {recorded[:12]}…, now {actual[:12]}…)"
+        raise Refused(
+            f"adapter/ of run {run_id} {why}: its files changed after training wrote them",
+            where=str(adapter / DIGEST_FILE),
+            fix="do not edit adapter/; relaunch the run to produce a fresh adapter",
+        )
+    return actual
+
+
+def load_run_brief(r: Path, e: Path):
+    """The brief as launched (the run's copy), else the experiment's."""
+    from finetune_mcp.phases.brief import load_brief
+
+    for p in (r / "training-brief.md", e / "training-brief.md"):
+        if p.is_file():
+            return load_brief(p)
+    raise NotFound("no training-brief.md in the run or its experiment", where=str(r), fix="launch runs through launch_run, which copies the brief into the run")
+
+
+def read_config(r: Path) -> dict[str, Any]:
+    p = r / "config.yaml"
+    if not p.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise BadInput(f"config.yaml of the run is not valid YAML: {e}", where=str(p)) from None
+    return data if isinstance(data, dict) else {}
+
+
+def base_model_of(pc: PhaseContext, r: Path, brief) -> str:
+    """The base model the adapter was trained on: PEFT records it in adapter_config.json."""
+    cfg = json.loads((r / "adapter" / "adapter_config.json").read_text(encoding="utf-8"))
+    name = cfg.get("base_model_name_or_path") or ""
+    if name and Path(name).is_dir():
+        return name
+    for cand in (name, brief.base_model if brief else ""):
+        if cand and (pc.ws.base_models_dir / cand).is_dir():
+            return str(pc.ws.base_models_dir / cand)
+    if name:
+        return name  # an HF id; the worker resolves it from the local cache only
+    if brief:
+        return brief.base_model
+    raise NotFound("cannot tell which base model the adapter belongs to", where=str(r / "adapter" / "adapter_config.json"))
+
+
+def prepared_eval_split(pc: PhaseContext, config: dict[str, Any]) -> Path | None:
+    """The prepared eval split named by the run config (any value naming an eval .jsonl or a dataset folder)."""
+    found: list[Path] = []
+
+    def walk(x: Any, key: str = "") -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, str(k))
+        elif isinstance(x, list):
+            for v in x:
+                walk(v, key)
+        elif isinstance(x, str) and x and len(x) < 4096:
+            p = Path(x).expanduser()
+            if not p.is_absolute():
+                p = pc.ws.datasets_dir / x if key in ("dataset", "dataset_name", "name") else pc.ws.root / x
+            if p.is_file() and p.name.endswith(".jsonl") and "eval" in p.name:
+                found.append(p)
+            elif p.is_dir() and (p / "eval.jsonl").is_file():
+                found.append(p / "eval.jsonl")
+
+    walk(config)
+    return found[0] if found else None
+
+
+def append_roadbook(pc: PhaseContext, r: Path, line: str) -> None:
+    """One line per lifecycle event; skipped quietly where the role may not write the roadbook."""
+    p = r / "roadbook.md"
+    try:
+        pc.guard.check_write(p)
+    except FtError:
+        return
+    with open(p, "a", encoding="utf-8") as f:
+        f.write(f"- {utc_now()} {line}\n")
+
+
+# ---------------------------------------------------------------- suite files
+
+
+def _jsonl(text: str, name: str, required: tuple[str, ...], optional: tuple[str, ...]) -> list[dict]:
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"eval/{name}:{i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"eval/{name} line {i} is not JSON: {e.msg}", where=where, fix="one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise BadInput(f"eval/{name} line {i} is not a JSON object", where=where)
+        for k in required:
+            if k not in row:
+                raise BadInput(f"eval/{name} line {i} lacks field {k!r}", where=f"{where}: {k}",
+                               fix=f"each line of {name} is {{{', '.join(repr(x) for x in required + optional)}}}")
+        extra = set(row) - set(required) - set(optional) - {"id", "note"}
+        if extra:
+            raise BadInput(f"eval/{name} line {i} has unknown field(s) {sorted(extra)}", where=where,
+                           fix=f"allowed: {', '.join(required + optional)}, id, note")
+        p = row.get("prompt")
+        if not (isinstance(p, str) and p.strip()) and not (
+            isinstance(p, list) and p and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in p)
+        ):
+            raise BadInput(f"eval/{name} line {i}: prompt must be non-empty text or a list of {{role, content}} messages",
+                           where=f"{where}: prompt")
+        for k in ("expected", "output"):
+            if k in row and row[k] is not None and not isinstance(row[k], str):
+                raise BadInput(f"eval/{name} line {i}: {k} must be text", where=f"{where}: {k}")
+        rows.append(row)
+    return rows
+
+
+def _eval_yaml(text: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as e:
+        raise BadInput(f"eval/eval.yaml is not valid YAML: {e}", where="eval/eval.yaml") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise BadInput("eval/eval.yaml must be a mapping", where="eval/eval.yaml")
+    unknown = set(data) - EVAL_YAML_KEYS
+    if unknown:
+        raise BadInput(f"eval/eval.yaml has unknown key(s) {sorted(unknown)}", where="eval/eval.yaml", fix=f"allowed: {', '.join(sorted(EVAL_YAML_KEYS))}")
+    th = data.get("thresholds") or {}
+    if not isinstance(th, dict) or set(th) - set(THRESHOLD_KEYS):
+        raise BadInput(f"eval/eval.yaml thresholds may set only {', '.join(THRESHOLD_KEYS)}", where="eval/eval.yaml: thresholds")
+    for k, v in th.items():
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+            raise BadInput(f"eval/eval.yaml thresholds.{k} must be a number", where=f"eval/eval.yaml: thresholds.{k}")
+    if data.get("match", "exact") not in ("exact", "first_line"):
+        raise BadInput("eval/eval.yaml match must be exact or first_line", where="eval/eval.yaml: match")
+    if data.get("loss_data", "prepared") not in ("prepared", "prompts"):
+        raise BadInput("eval/eval.yaml loss_data must be prepared or prompts", where="eval/eval.yaml: loss_data")
+    for k, lo, hi in (("max_new_tokens", 1, 4096), ("drift_max_new_tokens", 1, 4096), ("max_loss_rows", 1, 100000), ("goldens", MIN_GOLDENS, MAX_GOLDENS)):
+        v = data.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi):
+            raise BadInput(f"eval/eval.yaml {k} must be an integer from {lo} to {hi}", where=f"eval/eval.yaml: {k}")
+    return data
+
+
+def validate_suite_file(name: str, text: str) -> Any:
+    if name == "prompts.jsonl":
+        return _jsonl(text, name, ("prompt", "expected"), ())
+    if name == "goldens.jsonl":
+        return _jsonl(text, name, ("prompt",), ("output",))
+    if name == "drift.jsonl":
+        return _jsonl(text, name, ("prompt",), ())
+    if name == "eval.yaml":
+        return _eval_yaml(text)
+    return None
+
+
+def load_suite(e: Path) -> dict[str, Any]:
+    d = e / EVAL_DIR
+    if not (d / "prompts.jsonl").is_file():
+        raise Refused(
+            f"experiment {e.name} has no eval suite (eval/prompts.jsonl is missing)",
+            where=str(d),
+            fix="write it with write_eval_file: prompts.jsonl lines {\"prompt\", \"expected\"}; optionally goldens.jsonl, drift.jsonl, eval.yaml",
+        )
+    texts = {n: (d / n).read_text(encoding="utf-8") for n in SUITE_FILES if (d / n).is_file()}
+    suite = {n: validate_suite_file(n, t) for n, t in texts.items()}
+    if not suite["prompts.jsonl"]:
+        raise Refused("eval/prompts.jsonl has no rows", where=str(d / "prompts.jsonl"), fix="add at least one {\"prompt\", \"expected\"} line")
+    h = hashlib.sha256()
+    for n in sorted(texts):
+        h.update(n.encode() + b"\0" + hashlib.sha256(texts[n].encode()).hexdigest().encode() + b"\n")
+    suite["sha256"] = h.hexdigest()
+    suite["files"] = sorted(texts)
+    return suite
+
+
+# ---------------------------------------------------------------- write_eval_file
+
+
+def write_eval_file(pc: PhaseContext, experiment: str, relpath: str, content: str) -> S.WriteEvalFileResult:
+    e = pc.ws.experiment_dir(experiment)
+    if not isinstance(relpath, str) or not relpath.strip():
+        raise BadInput("relpath is empty", where="relpath", fix="name a file inside eval/, e.g. prompts.jsonl")
+    rel = PurePosixPath(relpath.replace("\\", "/"))
+    if rel.is_absolute() or any(p in ("..", ".", "") for p in rel.parts) or "\x00" in relpath:
+        raise BadInput(f"relpath {relpath!r} must be a plain relative path inside eval/", where="relpath", fix="e.g. prompts.jsonl or cases/extra.jsonl")
+    if rel.parts[0] == EVAL_DIR:
+        rel = PurePosixPath(*rel.parts[1:]) if len(rel.parts) > 1 else rel
+    if len(content.encode("utf-8")) > MAX_EVAL_FILE:
+        raise BadInput(f"content is larger than {MAX_EVAL_FILE // (1024 * 1024)} MiB", where="content")
+    eval_dir = e / EVAL_DIR
+    target = pc.guard.check_write(eval_dir / rel, "relpath")
+    real_eval = eval_dir.resolve() if eval_dir.exists() else e.resolve() / EVAL_DIR
+    if not target.is_relative_to(real_eval):
+        raise Forbidden(f"relpath {relpath!r} resolves outside the experiment's eval/", where=str(target))
+    rows = validate_suite_file(rel.name, content) if len(rel.parts) == 1 else None
+    pc.guard.write_text(target, content)
+    committed = None
+    try:
+        from finetune_mcp.workspace import commit
+
+        committed = commit(pc.ws.experiments_repo, [target], f"eval: {experiment}/{EVAL_DIR}/{rel}")
+    except (FtError, ValueError):
+        pass  # the suite works uncommitted; the next write commits it
+    what = f"{len(rows)} rows" if isinstance(rows, list) else ("validated" if rows is not None else "written")
+    return S.WriteEvalFileResult(
+        summary=f"wrote {experiment}/{EVAL_DIR}/{rel} ({what}{', committed ' + committed[:10] if committed else ''})",
+        path=str(target),
+        bytes=len(content.encode("utf-8")),
+    )
+
+
+# ---------------------------------------------------------------- evaluate_checkpoint
+
+
+def _thresholds(brief, suite: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    values: dict[str, float] = {}
+    source: dict[str, str] = {}
+    for k in THRESHOLD_KEYS:
+        v = (brief.evaluation or {}).get(k) if brief else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            values[k], source[k] = float(v), "brief ## Evaluation"
+    for k, v in ((suite.get("eval.yaml") or {}).get("thresholds") or {}).items():
+        if v is None:
+            values.pop(k, None)
+            source[k] = "eval/eval.yaml (cleared)"
+        else:
+            values[k], source[k] = float(v), "eval/eval.yaml"
+    return values, source
+
+
+def read_eval_result(r: Path) -> dict[str, Any] | None:
+    p = r / EVAL_REPORT
+    if not p.is_file():
+        return None
+    m = _EVAL_BLOCK.search(p.read_text(encoding="utf-8"))
+    if not m:
+        return None
+    try:
+        return json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return None
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return str(v)
+
+
+def _prompt_text(p: Any) -> str:
+    if isinstance(p, str):
+        return p
+    return " | ".join(f"{m['role']}: {m['content']}" for m in p)
+
+
+def _cell(s: Any, n: int = 80) -> str:
+    s = str(s).replace("\n", "⏎").replace("|", "\\|")
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
+    from finetune_mcp.worker import run_job
+
+    experiment, r, e = run_paths(pc, run_id)
+    digest = adapter_digest(r, run_id)
+    suite = load_suite(e)
+    brief = load_run_brief(r, e)
+    thresholds, th_source = _thresholds(brief, suite)
+    opts = suite.get("eval.yaml") or {}
+    drift_rows = suite.get("drift.jsonl") or []
+    if "max_drift" in thresholds and not drift_rows:
+        raise Refused("a max_drift threshold is set but the suite has no drift prompts", where=str(e / EVAL_DIR / "drift.jsonl"),
+                      fix="write eval/drift.jsonl ({\"prompt\"} per line) with write_eval_file, or clear max_drift in eval/eval.yaml")
+    n_gold = int(opts.get("goldens") or MAX_GOLDENS)
+    goldens = suite.get("goldens.jsonl") or [{"prompt": p["prompt"]} for p in suite["prompts.jsonl"][:n_gold]]
+
+    config = read_config(r)
+    loss_file = None
+    loss_rows = None
+    loss_source = "eval/prompts.jsonl (prompt -> expected)"
+    if opts.get("loss_data", "prepared") == "prepared":
+        split = prepared_eval_split(pc, config)
+        if split is not None:
+            loss_file, loss_source = str(split), f"prepared eval split {split}"
+    if loss_file is None:
+        loss_rows = [{"prompt": p["prompt"], "expected": p["expected"]} for p in suite["prompts.jsonl"]]
+
+    params = {
+        "base_model": base_model_of(pc, r, brief),
+        "adapter_dir": str(r / "adapter"),
+        "prompts": suite["prompts.jsonl"],
+        "goldens": goldens,
+        "drift": drift_rows,
+        "loss_file": loss_file,
+        "loss_rows": loss_rows,
+        "max_loss_rows": opts.get("max_loss_rows"),
+        "max_new_tokens": opts.get("max_new_tokens"),
+        "drift_max_new_tokens": opts.get("drift_max_new_tokens"),
+        "match": opts.get("match", "exact"),
+        "max_length": brief.max_seq_length if brief else None,
+    }
+    res = run_job("evaluate", params, progress=pc.progress, timeout=3600)
+    # The adapter must be the one that was evaluated, down to the byte.
+    if adapter_digest(r, run_id) != digest:
+        raise Refused("adapter/ changed while it was being evaluated", where=str(r / "adapter"), fix="call evaluate_checkpoint again")
+
+    measured = {"min_accuracy": res.get("task_accuracy"), "max_drift": res.get("drift"), "max_eval_loss": res.get("eval_loss")}
+    passed: dict[str, bool] = {}
+    for k, limit in thresholds.items():
+        v = measured[k]
+        passed[k] = v is not None and (v >= limit if k.startswith("min_") else v <= limit)
+    golden_checked = [g for g in res["goldens"] if "match" in g]
+    if golden_checked:
+        passed["goldens"] = all(g["match"] for g in golden_checked)
+
+    evaluated_at = utc_now()
+    machine = {
+        "run_id": run_id,
+        "adapter_sha256": digest,
+        "suite_sha256": suite["sha256"],
+        "suite_files": suite["files"],
+        "evaluated_at": evaluated_at,
+        "task_accuracy": res.get("task_accuracy"),
+        "base_accuracy": res.get("base_accuracy"),
+        "eval_loss": res.get("eval_loss"),
+        "base_eval_loss": res.get("base_eval_loss"),
+        "drift": res.get("drift"),
+        "golden_match": res.get("golden_match"),
+        "thresholds": thresholds,
+        "threshold_sources": th_source,
+        "passed": passed,
+        "max_new_tokens": res.get("max_new_tokens"),
+        "goldens": [{"prompt": g["prompt"], "output": g["output"]} for g in res["goldens"]],
+        "loss_source": loss_source,
+        "loss_rows": res.get("loss_rows"),
+        "versions": res.get("versions"),
+    }
+    report_path = r / EVAL_REPORT
+    pc.guard.write_text(report_path, _eval_report(run_id, machine, res))
+
+    failed = [k for k, ok in passed.items() if not ok]
+    n = len(res["items"])
+    summary = (
+        f"{run_id}: task accuracy {_fmt(res.get('task_accuracy'))} (base {_fmt(res.get('base_accuracy'))}) on {n} prompts, "
+        f"eval loss {_fmt(res.get('eval_loss'))}, drift {_fmt(res.get('drift'))}; "
+        + (f"FAILS {', '.join(failed)}" if failed else ("passes every threshold" if passed else "no thresholds set"))
+    )
+    details: list[dict[str, Any]] = []
+    for it in res["items"]:
+        if not it["correct"] and len(details) < 10:
+            details.append({"kind": "wrong", "prompt": it["prompt"], "expected": it["expected"], "output": it["output"]})
+    for d in res.get("drift_items") or []:
+        if d["changed"] and len(details) < 20:
+            details.append({"kind": "drift", "prompt": d["prompt"], "base_output": d["base_output"], "output": d["output"]})
+    for g in res["goldens"]:
+        details.append({"kind": "golden", "prompt": g["prompt"], "output": g["output"], **({"golden": g["golden"], "match": g["match"]} if "match" in g else {})})
+    return S.EvalResult(
+        summary=summary,
+        citations=[],
+        run_id=run_id,
+        task_accuracy=res.get("task_accuracy"),
+        base_accuracy=res.get("base_accuracy"),
+        eval_loss=res.get("eval_loss"),
+        drift=res.get("drift"),
+        thresholds={k: {"value": v, "source": th_source[k]} for k, v in thresholds.items()},
+        passed=passed,
+        details=details,
+        report=str(report_path),
+    )
+
+
+def _eval_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) -> str:
+    rows = [
+        ("task accuracy", m["task_accuracy"], "min_accuracy"),
+        ("base accuracy", m["base_accuracy"], None),
+        ("eval loss", m["eval_loss"], "max_eval_loss"),
+        ("base eval loss", m["base_eval_loss"], None),
+        ("drift", m["drift"], "max_drift"),
+        ("golden match", m["golden_match"], "goldens" if "goldens" in m["passed"] else None),
+    ]
+    out = [f"# Evaluation: {run_id}", "", f"Evaluated {m['evaluated_at']} against adapter sha256 `{m['adapter_sha256']}` "
+           f"with suite {', '.join('eval/' + f for f in m['suite_files'])} (sha256 `{m['suite_sha256'][:16]}…`).", "",
+           "| metric | value | threshold | pass |", "|---|---|---|---|"]
+    for name, v, key in rows:
+        th = m["thresholds"].get(key) if key else None
+        ok = m["passed"].get(key) if key else None
+        th_s = f"{'≥' if key and key.startswith('min_') else '≤'} {th} ({m['threshold_sources'][key]})" if th is not None else ("all match" if key == "goldens" else "")
+        out.append(f"| {name} | {_fmt(v)} | {th_s} | {'' if ok is None else ('yes' if ok else 'NO')} |")
+    out += ["", f"Eval loss: {m['loss_source']}, {m['loss_rows']} rows.", "", "## Task prompts", "",
+            "| # | prompt | expected | adapter | base | ok |", "|---|---|---|---|---|---|"]
+    for i, it in enumerate(res["items"], 1):
+        out.append(f"| {i} | {_cell(_prompt_text(it['prompt']), 50)} | {_cell(it['expected'], 40)} | {_cell(it['output'], 40)} | "
+                   f"{_cell(it['base_output'], 40)} | {'yes' if it['correct'] else 'no'} |")
+    if res.get("drift_items"):
+        out += ["", "## Drift prompts (base answer should not change)", "", "| # | prompt | base | adapter | changed |", "|---|---|---|---|---|"]
+        for i, d in enumerate(res["drift_items"], 1):
+            out.append(f"| {i} | {_cell(_prompt_text(d['prompt']), 50)} | {_cell(d['base_output'], 50)} | {_cell(d['output'], 50)} | {'yes' if d['changed'] else 'no'} |")
+    out += ["", "## Goldens (recorded outputs; export replays them)", "", "| # | prompt | output | golden | match |", "|---|---|---|---|---|"]
+    for i, g in enumerate(res["goldens"], 1):
+        out.append(f"| {i} | {_cell(_prompt_text(g['prompt']), 50)} | {_cell(g['output'], 50)} | {_cell(g.get('golden', ''), 50)} | "
+                   f"{'' if 'match' not in g else ('yes' if g['match'] else 'NO')} |")
+    out += ["", EVAL_MARKER, "```json", json.dumps(m, indent=2, ensure_ascii=False, sort_keys=True), "```", ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- record_verdict
+
+
+def record_verdict(pc: PhaseContext, run_id: str, verdict: str, evidence: str, top_remediation: str = "") -> S.VerdictResult:
+    from finetune_mcp import signing
+
+    if not pc.policy.may_sign_verdicts:
+        raise Forbidden(f"the {pc.role} role may not sign verdicts", fix="verdicts come from the eval-engineer server")
+    if verdict not in ("PROMOTE", "REJECT"):
+        raise BadInput(f"verdict must be PROMOTE or REJECT, got {verdict!r}", where="verdict")
+    evidence = (evidence or "").strip()
+    top_remediation = (top_remediation or "").strip()
+    if not evidence:
+        raise BadInput("evidence is empty", where="evidence", fix="state the figures the verdict rests on (accuracy, loss, drift, failures seen)")
+    if verdict == "REJECT" and not top_remediation:
+        raise BadInput("a REJECT needs a top remediation", where="top_remediation", fix="name the one change to try first, e.g. 'double the examples of the failing pattern'")
+    experiment, r, e = run_paths(pc, run_id)
+    digest = adapter_digest(r, run_id)
+    ev = read_eval_result(r)
+    if ev is not None and (ev.get("run_id") != run_id or ev.get("adapter_sha256") != digest):
+        ev = None  # an evaluation of some other adapter says nothing about this one
+    goldens: list[dict[str, Any]] = []
+    if verdict == "PROMOTE":
+        if ev is None:
+            raise Refused(f"no evaluation of run {run_id}'s current adapter", where=str(r / EVAL_REPORT),
+                          fix="call evaluate_checkpoint first; PROMOTE rests on its figures and goldens")
+        suite = load_suite(e)
+        if suite["sha256"] != ev.get("suite_sha256"):
+            raise Refused("the eval suite changed after the last evaluation", where=str(e / EVAL_DIR), fix="call evaluate_checkpoint again, then record the verdict")
+        failed = [k for k, ok in (ev.get("passed") or {}).items() if not ok]
+        if failed:
+            raise Refused(
+                f"the evaluation fails {', '.join(failed)}, so it cannot be promoted",
+                where=str(r / EVAL_REPORT),
+                fix="record REJECT with the top remediation; or, if a threshold is wrong, change it in eval/eval.yaml and evaluate again",
+            )
+        goldens = (ev.get("goldens") or [])[:MAX_GOLDENS]
+        if len(goldens) < MIN_GOLDENS:
+            raise Refused(f"the evaluation recorded {len(goldens)} golden outputs; export's smoke test needs {MIN_GOLDENS}-{MAX_GOLDENS}",
+                          where=str(e / EVAL_DIR / "goldens.jsonl"), fix="write 3-5 prompts to eval/goldens.jsonl and evaluate again")
+
+    key = signing.load_or_create_private_key(pc.ws)
+    signed_at = utc_now()
+    payload = {
+        "run_id": run_id,
+        "verdict": verdict,
+        "adapter_sha256": digest,
+        "evidence_sha256": signing.sha256_text(evidence),
+        "evidence": evidence,
+        "top_remediation": top_remediation,
+        "eval_report_sha256": hashlib.sha256((r / EVAL_REPORT).read_bytes()).hexdigest() if ev is not None else None,
+        "metrics": {k: ev.get(k) for k in ("task_accuracy", "base_accuracy", "eval_loss", "drift", "passed", "evaluated_at", "max_new_tokens")} if ev else None,
+        "goldens": goldens,
+        "signed_at": signed_at,
+    }
+    block = signing.sign_block(key, payload)
+    report = r / PROMOTION_REPORT
+    pc.guard.write_text(report, _promotion_report(block))
+    return S.VerdictResult(
+        summary=f"{verdict} recorded for {run_id}, signed ({block['key_id']}) over adapter {digest[:12]}…",
+        citations=[],
+        run_id=run_id,
+        verdict=verdict,
+        adapter_sha256=digest,
+        report=str(report),
+        signed_at=signed_at,
+    )
+
+
+def _quote(text: str) -> list[str]:
+    return ["> " + line if line else ">" for line in text.splitlines()] or [">"]
+
+
+def _promotion_report(b: dict[str, Any]) -> str:
+    from finetune_mcp import signing
+
+    out = [f"# Promotion report: {b['run_id']}", "", f"**Verdict: {b['verdict']}**", "",
+           f"- adapter sha256: `{b['adapter_sha256']}`", f"- signed at: {b['signed_at']} by the eval-engineer key `{b['key_id']}`",
+           "", "## Evidence", "", *_quote(b["evidence"]), ""]
+    if b["top_remediation"]:
+        out += ["## Top remediation", "", *_quote(b["top_remediation"]), ""]
+    if b.get("metrics"):
+        m = b["metrics"]
+        out += ["## Evaluation", "", f"Task accuracy {_fmt(m.get('task_accuracy'))} (base {_fmt(m.get('base_accuracy'))}), "
+                f"eval loss {_fmt(m.get('eval_loss'))}, drift {_fmt(m.get('drift'))}; evaluated {m.get('evaluated_at')}. "
+                f"Thresholds passed: {', '.join(k for k, v in (m.get('passed') or {}).items() if v) or 'none set'}.", ""]
+    if b.get("goldens"):
+        out += ["## Goldens (export's smoke test must reproduce these)", "", "| # | prompt | output |", "|---|---|---|"]
+        for i, g in enumerate(b["goldens"], 1):
+            out.append(f"| {i} | {_cell(_prompt_text(g['prompt']), 60)} | {_cell(g['output'], 60)} |")
+        out.append("")
+    out += ["## Signature", "", "The block below binds run id, adapter digest, verdict, evidence digest and time; export verifies it with",
+            "the eval role's public key. Any edit to it, or a copy into another run, makes it invalid.", "", signing.render_block(b)]
+    return "\n".join(out)

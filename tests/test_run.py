@@ -1,0 +1,362 @@
+"""launch_run / poll_progress / stop_run / prune_checkpoints end to end: real TRL runs on the tiny model,
+real detached processes, driven through the MCP client over stdio."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+import yaml
+
+from conftest import mcp_session
+from finetune_mcp.digest import verify_folder
+from finetune_mcp.embedded import task
+from finetune_mcp.workspace import Workspace, commit, ensure_repo
+
+SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
+EXP = "finetune-mcp-tiny-SFT-LoRA-repeat-words"
+KEYS = ["step", "loss", "lr", "mem_gb", "temp_c"]
+TERMINAL = ("succeeded", "failed", "stopped")
+
+CHECK_OK = {"id": "N3", "name": "memory vs estimate", "status": "pass", "observed": "20 GB free", "threshold": ">= 2 GB",
+            "remediation": None, "cite": "spark-preflight#generic-checks"}
+CHECK_WARN = {"id": "N7", "name": "thermal", "status": "warn", "observed": "no temperature sensor readable",
+              "threshold": "a readable sensor", "remediation": "watch temp_c stays null; nothing to fix on CPU",
+              "cite": "spark-preflight#generic-checks"}
+CHECK_FAIL = {"id": "N4", "name": "storage", "status": "fail", "observed": "0.2 GB free at OUTPUT_ROOT",
+              "threshold": ">= 10 GB", "remediation": "free space under OUTPUT_ROOT", "cite": "spark-preflight#generic-checks"}
+
+
+# ---------------------------------------------------------------- experiment set-up
+
+
+def write_env_report(exp_dir: Path, verdict: str, checks: list[dict]) -> None:
+    (exp_dir / "env-report.json").write_text(json.dumps({
+        "platform": "cpu", "verdict": verdict, "checks": checks, "observed": {},
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(), "host": "test"}, indent=2))
+
+
+def make_experiment(model_dir: Path, *, script: str = "sft_tiny.py", verdict: str = "ready", checks=None,
+                    runs: dict[str, dict] | None = None) -> Path:
+    """An experiment as prepare_dataset / preflight / generate_config leave it, with the given train.py and run configs, committed."""
+    ws = Workspace.from_env()
+    ensure_repo(ws.experiments_repo)
+    exp = ws.experiments_dir / EXP
+    (exp / "configs").mkdir(parents=True, exist_ok=True)
+    (exp / "data").mkdir(exist_ok=True)
+    data = ws.datasets_dir / "repeat-words" / "train.jsonl"
+    if not data.exists():
+        task.write_jsonl(task.sft_conversations(400, seed=0), data)
+    (exp / "training-brief.md").write_text(task.sample_brief("sft-lora"))
+    (exp / "data" / "dataset-card.md").write_text("# Dataset card\n\nrepeat-words, 400 rows\n")
+    (exp / "data" / "validation-report.md").write_text("# Validation report\n\nno problems\n")
+    write_env_report(exp, verdict, checks if checks is not None else [CHECK_OK])
+    (exp / "configs" / "base.yaml").write_text(yaml.safe_dump({"model": {"path": str(model_dir)}, "data": {"train_file": str(data)}}))
+    shutil.copyfile(SCRIPTS / script, exp / "train.py")
+    paths = [exp / "configs" / "base.yaml", exp / "train.py"]
+    for tag, cfg in (runs or {}).items():
+        (exp / "configs" / f"run-{tag}.yaml").write_text(yaml.safe_dump(cfg))
+        paths.append(exp / "configs" / f"run-{tag}.yaml")
+    commit(ws.experiments_repo, paths, "test experiment")
+    return exp
+
+
+def training(max_steps=12, logging_steps=1, save_steps=10**6, step_sleep=0.0, lr=2e-3):
+    return {"training": {"max_steps": max_steps, "learning_rate": lr, "logging_steps": logging_steps, "save_steps": save_steps,
+                         "per_device_train_batch_size": 8, "max_length": 64, "seed": 0},
+            "fixture": {"step_sleep": step_sleep}}
+
+
+# ---------------------------------------------------------------- MCP helpers
+
+
+async def call(s, tool: str, args: dict, **kw) -> dict:
+    r = await s.call_tool(tool, args, **kw)
+    if r.is_error:
+        raise ToolFailed(r.content[0].text)
+    return r.structured_content
+
+
+async def refused(s, tool: str, args: dict) -> str:
+    r = await s.call_tool(tool, args)
+    assert r.is_error, f"{tool} should have been refused: {r.structured_content}"
+    return r.content[0].text
+
+
+class ToolFailed(AssertionError):
+    pass
+
+
+async def poll_until(s, run_id: str, done, cursor: int = 0, timeout: float = 240.0, **kw) -> tuple[list[dict], dict]:
+    """Poll from cursor until done(result); returns every record seen and the last result."""
+    seen: list[dict] = []
+    end = time.monotonic() + timeout
+    while True:
+        r = await call(s, "poll_progress", {"run_id": run_id, "cursor": cursor, **kw})
+        seen += r["records"]
+        cursor = r["next_cursor"]
+        if done(r, seen) and not r["more"]:
+            return seen, r
+        assert time.monotonic() < end, f"timed out polling {run_id}: {r['summary']}"
+        if not r["more"]:
+            await anyio.sleep(0.5)
+
+
+def finished(r, seen):
+    return r["status"] in TERMINAL
+
+
+def server_pid() -> int:
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "serve" in cmd and "--role" in cmd:
+            return p.pid
+    raise AssertionError("no finetune-mcp server process found")
+
+
+def run_dir_of(run_id: str) -> Path:
+    return Workspace.from_env().output_root / run_id
+
+
+def wait_until_second_is_early() -> None:
+    # Run ids carry the minute; keep a pair of launches inside one minute.
+    while dt.datetime.now().second > 45:
+        time.sleep(1)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_tiny_sft_run_polled_to_completion_across_a_server_restart(ws_root, tiny_model_dir):
+    make_experiment(tiny_model_dir, runs={"r8-lr2e3": training(max_steps=16, save_steps=8, step_sleep=0.4)})
+    state: dict = {}
+
+    async def first_server():
+        async with mcp_session() as s:
+            launched = await call(s, "launch_run", {"experiment": EXP, "tag": "r8-lr2e3"})
+            state["run_id"] = run_id = launched["run_id"]
+            state["pid"] = launched["pid"]
+            assert launched["commit"] and launched["launcher"] == "local"
+            seen, r = await poll_until(s, run_id, lambda r, seen: len(seen) >= 2)
+            state["first"], state["cursor"] = seen, r["next_cursor"]
+            assert r["status"] == "running"
+            os.kill(server_pid(), signal.SIGKILL)
+            state["killed_at"] = time.monotonic()
+
+    try:
+        anyio.run(first_server)
+    except BaseException as e:  # the client notices its server died; that is the point here
+        if "run_id" not in state or "killed_at" not in state:
+            raise
+        del e
+    run_id = state["run_id"]
+    rd = run_dir_of(run_id)
+    # The run lives on without any server.
+    assert psutil.pid_exists(state["pid"]) or (rd / "exit.json").exists()
+
+    notes: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(done, total, message):
+        notes.append((done, total, message))
+
+    async def second_server():
+        async with mcp_session() as s:
+            rest, last = await poll_until(s, run_id, finished, cursor=state["cursor"])
+            everything, again = await poll_until(s, run_id, finished, cursor=0, limit=5000)
+            with_png = await s.call_tool("poll_progress", {"run_id": run_id, "cursor": again["next_cursor"], "plot": True},
+                                         progress_callback=on_progress)
+            pruned = await call(s, "prune_checkpoints", {"run_id": run_id})
+            return rest, last, everything, with_png, pruned
+
+    rest, last, everything, with_png, pruned = anyio.run(second_server)
+
+    # No record lost or duplicated across the restart, and a replay yields the same records.
+    assert everything == state["first"] + rest
+    assert [r["step"] for r in everything] == list(range(1, 17))
+    assert all(list(r) == KEYS for r in everything)
+    assert last["status"] == "succeeded" and last["exit_code"] == 0 and last["signal"] is None
+    assert last["last"] == everything[-1]
+    losses = [r["loss"] for r in everything]
+    assert all(math.isfinite(x) for x in losses)
+    assert statistics.mean(losses[-4:]) < 0.8 * statistics.mean(losses[:4]), losses
+
+    # The product: adapter/ present and verified; checkpoints pruned only now, adapter untouched.
+    ok, actual, recorded = verify_folder(rd / "adapter")
+    assert ok, (actual, recorded)
+    assert pruned["freed_bytes"] > 0 and {"checkpoint-8", "checkpoint-16"} <= set(pruned["removed"])
+    assert not (rd / "checkpoints").exists() and verify_folder(rd / "adapter")[0]
+
+    # The run directory as the contract lays it out.
+    cfg = yaml.safe_load((rd / "config.yaml").read_text())
+    assert cfg["run"]["run_id"] == run_id and len(cfg["run"]["experiment_commit"]) == 40
+    for rel in ("env-report.json", "training-brief.md", "data/dataset-card.md", "data/validation-report.md", "train.py"):
+        assert (rd / rel).is_file(), rel
+    assert (rd / "train.py").read_bytes() == (Workspace.from_env().experiments_dir / EXP / "train.py").read_bytes()
+    rj = json.loads((rd / "run.json").read_text())
+    assert {"pid", "pgid", "start_time", "command"} <= set(rj) and rj["pgid"] == rj["pid"]
+    roadbook = (rd / "roadbook.md").read_text()
+    for event in ("launched", "first-step", "finished", "pruned"):
+        assert roadbook.count(f"**{event}**") == 1, (event, roadbook)
+
+    # Progress notifications and the loss curve.
+    assert with_png.structured_content["status"] == "succeeded"
+    assert notes and notes[-1][0] == 16 and notes[-1][1] == 16 and "loss" in notes[-1][2]
+    images = [c for c in with_png.content if c.type == "image"]
+    assert len(images) == 1 and images[0].mime_type == "image/png"
+
+
+def test_stop_run_and_kill_9_side_by_side(ws_root, tiny_model_dir):
+    make_experiment(tiny_model_dir, runs={"stop": training(max_steps=60, step_sleep=1.0),
+                                          "kill": training(max_steps=60, step_sleep=1.0)})
+
+    async def main():
+        async with mcp_session(env={"FINETUNE_MCP_MAX_CPU_RUNS": "2"}) as s:
+            stop_id = (await call(s, "launch_run", {"experiment": EXP, "tag": "stop"}))["run_id"]
+            kill_id = (await call(s, "launch_run", {"experiment": EXP, "tag": "kill"}))["run_id"]
+            await poll_until(s, stop_id, lambda r, seen: len(seen) >= 1)
+            await poll_until(s, kill_id, lambda r, seen: len(seen) >= 1)
+
+            trainer = psutil.Process(int((run_dir_of(kill_id) / ".trainer.pid").read_text()))
+            assert "train.py" in trainer.cmdline()
+            trainer.send_signal(signal.SIGKILL)
+
+            stopped = await call(s, "stop_run", {"run_id": stop_id, "grace_seconds": 120})
+            _, stop_poll = await poll_until(s, stop_id, finished)
+            _, kill_poll = await poll_until(s, kill_id, finished)
+            prune_text = await refused(s, "prune_checkpoints", {"run_id": stop_id})
+            again = await call(s, "stop_run", {"run_id": stop_id})
+            return stopped, stop_poll, kill_poll, prune_text, again, stop_id, kill_id
+
+    stopped, stop_poll, kill_poll, prune_text, again, stop_id, kill_id = anyio.run(main)
+
+    # stop_run: SIGTERM was enough; the trainer saved a checkpoint and exited 143; status stopped.
+    assert stopped["status"] == "stopped" and stopped["signal_sent"] == ["SIGTERM"]
+    assert stopped["checkpoint"] and Path(stopped["checkpoint"]).is_dir()
+    assert (Path(stopped["checkpoint"]) / "adapter_model.safetensors").is_file()
+    ex = json.loads((run_dir_of(stop_id) / "exit.json").read_text())
+    assert (ex["returncode"], ex["signal"], ex["stopped_by"]) == (143, None, "stop_run")
+    assert stop_poll["status"] == "stopped"
+    assert "not succeeded" in prune_text and Path(stopped["checkpoint"]).is_dir()
+    assert again["status"] == "stopped" and again["signal_sent"] == []
+
+    # kill -9 of the trainer: failed with the signal, never mistaken for a stop.
+    assert (kill_poll["status"], kill_poll["exit_code"], kill_poll["signal"]) == ("failed", 137, "SIGKILL")
+    assert "out-of-memory" in kill_poll["detail"]
+    assert "**failed**" in (run_dir_of(kill_id) / "roadbook.md").read_text()
+    assert "**stopped**" in (run_dir_of(stop_id) / "roadbook.md").read_text()
+
+
+def test_torchrun_two_cpu_processes(ws_root, tiny_model_dir):
+    make_experiment(tiny_model_dir, runs={"ddp2": training(max_steps=8, step_sleep=0.3)})
+
+    async def main():
+        async with mcp_session() as s:
+            launched = await call(s, "launch_run", {"experiment": EXP, "tag": "ddp2", "launcher": "torchrun", "nproc": 2})
+            assert "torch.distributed.run" in launched["command"] and "--nproc_per_node" in launched["command"]
+            sup = psutil.Process(launched["pid"])
+            ranks: set[int] = set()
+            seen, last = [], None
+
+            def watch(r, seen):
+                for p in sup.children(recursive=True) if sup.is_running() else []:
+                    try:
+                        cmd = p.cmdline()
+                        if "train.py" in cmd and "torch.distributed.run" not in cmd:
+                            ranks.add(p.pid)
+                    except psutil.NoSuchProcess:
+                        pass
+                return finished(r, seen)
+
+            seen, last = await poll_until(s, launched["run_id"], watch)
+            return launched, seen, last, ranks
+
+    launched, seen, last, ranks = anyio.run(main)
+    assert last["status"] == "succeeded", last
+    assert len(ranks) == 2, ranks  # two worker processes under torchrun
+    assert [r["step"] for r in seen] == list(range(1, 9))  # rank 0 alone writes records
+    log = (run_dir_of(launched["run_id"]) / "logs" / "stdout.log").read_text()
+    assert "rank 0 of 2" in log and "rank 1 of 2" in log
+
+
+def test_script_without_our_callback_is_read_from_stdout(ws_root, tiny_model_dir):
+    make_experiment(tiny_model_dir, script="sft_plain.py", runs={"plain": training(max_steps=6, logging_steps=2)})
+
+    async def main():
+        async with mcp_session() as s:
+            run_id = (await call(s, "launch_run", {"experiment": EXP, "tag": "plain"}))["run_id"]
+            seen, last = await poll_until(s, run_id, finished)
+            replay, _ = await poll_until(s, run_id, finished, cursor=0)
+            return run_id, seen, last, replay
+
+    run_id, seen, last, replay = anyio.run(main)
+    rd = run_dir_of(run_id)
+    assert not (rd / "logs" / "progress.jsonl").exists()
+    assert last["status"] == "succeeded"
+    assert [r["step"] for r in seen] == [2, 4, 6] and replay == seen
+    assert all(list(r) == KEYS and r["mem_gb"] is None and r["lr"] == 2e-3 for r in seen)
+    assert last["next_cursor"] <= (rd / "logs" / "stdout.log").stat().st_size
+
+
+def test_each_refusal(ws_root, tiny_model_dir, tmp_path):
+    exp = make_experiment(tiny_model_dir, script="sleeper.py", runs={"a": {"sleeper": {"seconds": 120}},
+                                                                    "b": {"sleeper": {"seconds": 120}}})
+    ws = Workspace.from_env()
+    report = (exp / "env-report.json").read_text()
+
+    async def main():
+        out = {}
+        async with mcp_session(env={"FINETUNE_MCP_MAX_CPU_RUNS": "1", "DOCKER_HOST": f"unix://{tmp_path}/no.sock"}) as s:
+            args = {"experiment": EXP, "tag": "a"}
+            (exp / "env-report.json").unlink()
+            out["a"] = await refused(s, "launch_run", args)
+            write_env_report(exp, "blocked", [CHECK_OK, CHECK_FAIL])
+            out["b"] = await refused(s, "launch_run", args)
+            write_env_report(exp, "ready-with-warnings", [CHECK_OK, CHECK_WARN])
+            out["c"] = await refused(s, "launch_run", args)
+
+            (exp / "env-report.json").write_text(report)
+            (exp / "configs" / "run-new.yaml").write_text("sleeper: {seconds: 1}\n")
+            out["d_untracked"] = await refused(s, "launch_run", {"experiment": EXP, "tag": "new"})
+            saved = (exp / "train.py").read_bytes()
+            (exp / "train.py").write_bytes(saved + b"\n# edited after the commit\n")
+            out["d_modified"] = await refused(s, "launch_run", args)
+            (exp / "train.py").write_bytes(saved)
+
+            out["docker"] = await refused(s, "launch_run", {**args, "launcher": "docker"})
+            out["docker_left"] = sorted(p.name for p in (ws.output_root / EXP).glob("*")) if (ws.output_root / EXP).exists() else []
+
+            write_env_report(exp, "ready-with-warnings", [CHECK_OK, CHECK_WARN])
+            wait_until_second_is_early()
+            first = await call(s, "launch_run", {**args, "accept_warnings": True})
+            out["accepted"] = first
+            out["f"] = await refused(s, "launch_run", {**args, "accept_warnings": True})
+            out["e"] = await refused(s, "launch_run", {"experiment": EXP, "tag": "b", "accept_warnings": True})
+            out["stop"] = await call(s, "stop_run", {"run_id": first["run_id"], "grace_seconds": 10})
+        return out
+
+    out = anyio.run(main)
+    assert "no env-report.json" in out["a"] and "preflight" in out["a"]
+    assert "blocked" in out["b"] and "N4 storage" in out["b"] and "re-run preflight" in out["b"]
+    assert "N3" not in out["b"]  # only the failing checks are named
+    assert "ready-with-warnings" in out["c"] and "N7 thermal" in out["c"] and "accept_warnings=true" in out["c"]
+    assert "run-new.yaml is not committed" in out["d_untracked"]
+    assert "train.py has changed since its last commit" in out["d_modified"]
+    assert "no Docker engine is reachable" in out["docker"] and "docker run" in out["docker"]
+    assert out["docker_left"] == []  # a refused launch leaves nothing behind
+    assert out["accepted"]["warnings_accepted"] and "N7 thermal" in out["accepted"]["warnings_accepted"][0]
+    assert "already exists" in out["f"]
+    assert "CPU run(s) already live" in out["e"] and out["accepted"]["run_id"] in out["e"]
+    assert out["stop"]["status"] == "stopped"
