@@ -168,6 +168,16 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self.timings["start_s"] = time.monotonic() - t0
         return self
 
+    def restart_controller(self, *, clear_state: bool = False, timeout: float = 60) -> None:
+        """Stop slurmctld by pid and start it again; clear_state (-c) drops every job record, as the
+        controller does for finished jobs once MinJobAge has passed."""
+        p = self.procs["slurmctld"]
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-c" if clear_state else "-i", "-f", str(self.conf)])
+        self._wait("slurmctld to answer", lambda: self.client("scontrol", "ping").returncode == 0, 30)
+        self._wait(f"node {self.node} to be back", lambda: self.node_state().rstrip("*") in ("idle", "mixed", "allocated"), timeout)
+
     def cancel_all(self) -> None:
         p = self.client("squeue", "-h", "-o", "%i")
         ids = p.stdout.split() if p.returncode == 0 else []

@@ -294,6 +294,10 @@ def test_an_nvml_that_answers_nothing_still_yields_every_device_key():
     assert d["memory"] == {"supported": False, "error": "RuntimeError: NVML query failed"}
 
 
+def _nvml_gpus() -> list:
+    return telemetry.probe_nvml()["devices"] if telemetry.nvml() is not None else []
+
+
 def _shape(x):
     """Key structure of a JSON value, lists reduced to their first element's structure."""
     if isinstance(x, dict):
@@ -316,7 +320,7 @@ def _experiment(ws_root: Path) -> PhaseContext:
 
 
 def test_real_probe_here_reports_cpu_and_records_a_replayable_observation(ws_root, tmp_path, monkeypatch):
-    if telemetry.nvml() is not None and telemetry.probe_nvml()["devices"]:
+    if _nvml_gpus():
         pytest.skip("this machine has an NVIDIA GPU; the cpu expectation below is for GPU-less CI")
     pc = _experiment(ws_root)
     record = tmp_path / "recorded.json"
@@ -388,7 +392,7 @@ def test_preflight_through_mcp_replays_a_gb10(ws_root):
 @pytest.mark.gpu
 def test_real_probe_on_a_gpu_machine(ws_root, tmp_path, skills):
     """On a GPU machine: the real probe sees the GPU. FINETUNE_MCP_RECORD_TO=<path> keeps the observation as a fixture."""
-    if telemetry.nvml() is None or not telemetry.probe_nvml()["devices"]:
+    if not _nvml_gpus():
         pytest.skip("NO NVIDIA GPU HERE: the real GPU probe was not exercised (NVML: %s)" % telemetry.nvml_error())
     ws = Workspace.from_env()
     ws.ensure_dirs()
@@ -405,7 +409,7 @@ def test_real_probe_on_a_gpu_machine(ws_root, tmp_path, skills):
 
 
 def test_mem_gb_counts_the_process_tree_without_a_gpu():
-    if telemetry.nvml() is not None and telemetry.probe_nvml()["devices"]:
+    if _nvml_gpus():
         pytest.skip("with a GPU, mem_gb reports GPU memory")
     base = telemetry.mem_gb()
     child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(300_000_000); time.sleep(30)"])
@@ -428,3 +432,23 @@ def test_temp_c_is_a_reading_or_none():
     assert t is None or 0 < t < 130
     if telemetry.nvml() is None:
         assert "NVML" in (telemetry.nvml_error() or "") or "pynvml" in (telemetry.nvml_error() or "")
+
+
+def test_train_py_snippet_runs_standalone_and_agrees(tmp_path):
+    """The text templates paste into train.py works without finetune_mcp and measures what telemetry measures."""
+    script = tmp_path / "snippet.py"
+    script.write_text(telemetry.TRAIN_PY_SNIPPET + "\nimport json, sys\nassert 'finetune_mcp' not in sys.modules\n"
+                      "b = bytearray(200_000_000)\nprint(json.dumps({'mem_gb': mem_gb(), 'temp_c': temp_c(), 'pid': os.getpid()}))\n"
+                      "sys.stdout.flush()\nsys.stdin.read()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        got = json.loads(p.stdout.readline())
+        ours = telemetry.mem_gb(pid_tree_root=got["pid"])
+    finally:
+        p.communicate("")
+    assert p.returncode == 0
+    if not _nvml_gpus():  # without a GPU both measure the process tree, which holds the 200 MB buffer
+        assert got["mem_gb"] > 0.19
+    assert abs(got["mem_gb"] - ours) < 0.05
+    assert got["temp_c"] == telemetry.temp_c()

@@ -360,3 +360,26 @@ def test_each_refusal(ws_root, tiny_model_dir, tmp_path):
     assert "already exists" in out["f"]
     assert "CPU run(s) already live" in out["e"] and out["accepted"]["run_id"] in out["e"]
     assert out["stop"]["status"] == "stopped"
+
+
+def test_stop_under_torchrun_gives_each_rank_one_sigterm(ws_root, tiny_model_dir):
+    # A rank that gets SIGTERM twice exits at once without its checkpoint (train.py's rule), so how
+    # the stop reaches the ranks matters; these ranks only count what arrives.
+    make_experiment(tiny_model_dir, script="rank_sigterm.py", runs={"ranks": {}})
+
+    async def main():
+        async with mcp_session() as s:
+            launched = await call(s, "launch_run", {"experiment": EXP, "tag": "ranks", "launcher": "torchrun", "nproc": 2})
+            log = run_dir_of(launched["run_id"]) / "logs" / "stdout.log"
+            end = time.monotonic() + 60
+            while not (log.exists() and "rank 0 ready" in log.read_text() and "rank 1 ready" in log.read_text()):
+                assert time.monotonic() < end, "ranks never started"
+                await anyio.sleep(0.2)
+            stopped = await call(s, "stop_run", {"run_id": launched["run_id"], "grace_seconds": 60})
+            return launched["run_id"], stopped
+
+    run_id, stopped = anyio.run(main)
+    rd = run_dir_of(run_id)
+    assert stopped["status"] == "stopped" and stopped["signal_sent"] == ["SIGTERM"]
+    counts = [json.loads((rd / f"sigterm-rank{r}.json").read_text())["count"] for r in (0, 1)]
+    assert counts == [1, 1]

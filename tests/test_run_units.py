@@ -361,3 +361,14 @@ def test_slurm_only_arguments_and_nproc_are_checked(pc):
         R.launch_run(pc, EXP, "t", launcher="slurm", partition="gpu")
     with pytest.raises(Refused, match="no env-report.json"):
         R.launch_run(pc, EXP, "t")
+
+
+def test_supervisor_kills_what_the_trainer_left_behind(tmp_path):
+    # A torchrun rank lives in a session of its own; when the agent dies it would linger and hold the GPU.
+    code = ("import subprocess, sys\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+            "open('orphan.pid', 'w').write(str(p.pid))\n")
+    ex, d = supervise(tmp_path, code)
+    orphan = int((d / "orphan.pid").read_text())
+    assert ex["returncode"] == 0 and ex["leftovers_killed"] == [orphan]
+    wait_for(lambda: not R.get_launcher("local").alive(d, {"pid": orphan, "start_time": None}), timeout=10)

@@ -112,6 +112,21 @@ class GenerateConfigResult(Result):
     resolved: dict[str, ResolvedValue]
     files: list[str]
     commit: str
+    warnings: list[str] = Field(default_factory=list, description="values outside settled ranges, budget misses, forced backends")
+    memory_estimate: dict[str, Any] = Field(default_factory=dict, description="the estimate for the resolved values against the brief's budget")
+
+    def text(self) -> str:
+        lines = [self.summary, f"backend: {self.backend} — {self.backend_reason}"]
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        lines.append("resolved (value — source):")
+        for k, v in self.resolved.items():
+            lines.append(f"  {k}: {v.value!r} — {v.source}")
+        lines.append("files: " + ", ".join(self.files))
+        lines.append(f"commit: {self.commit}")
+        if self.citations:
+            lines.append("cites: " + ", ".join(self.citations))
+        return "\n".join(lines)
 
 
 # --- launch_run / poll_progress / stop_run / prune_checkpoints ---------------------------

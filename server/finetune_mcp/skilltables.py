@@ -177,9 +177,9 @@ class PreflightCheck(Strict):
 
 @table("spark-preflight", "checks")
 class PreflightChecks(Strict):
-    cuda_min_driver: dict[int, int] = Field(description="CUDA major -> lowest Linux driver branch (CUDA Compatibility, minor version compatibility table)")
+    cuda_min_driver: dict[str, int] = Field(description="CUDA major (as text) -> lowest Linux driver branch (CUDA Compatibility, minor version compatibility table)")
     spark_gpu_names: list[str] = Field(min_length=1, description="NVML device-name substrings that identify a DGX Spark GPU")
-    spark_capability: tuple[int, int]
+    spark_capability: list[int] = Field(min_length=2, max_length=2, description="[major, minor] compute capability of a DGX Spark GPU")
     checks: list[PreflightCheck]
 
     @_sp_model_validator(mode="after")
@@ -443,15 +443,12 @@ class Rule(Strict):
 
 
 class BudgetModel(Strict):
-    """The memory estimate generate_config compares with the brief's budget, and the order of its rules."""
+    """How generate_config fits a run into the brief's memory budget. The estimate itself is the
+    preflight's (spark-preflight#memory-estimate), so both phases judge a config the same way."""
 
     headroom: float = Field(gt=0, le=1, description="share of the budget the estimate may fill")
-    bytes_per_param: dict[str, float] = Field(description="weight bytes per parameter by storage: fp32, bf16, fp16, nf4")
-    adam_bytes_per_trainable_param: float = Field(gt=0, description="fp32 weights + grads + two Adam moments")
-    activation_bytes_per_token_layer_hidden: float = Field(gt=0, description="activations kept per token, layer and hidden unit without checkpointing")
-    checkpointing_activation_factor: float = Field(gt=0, le=1, description="share of activations kept with gradient checkpointing")
-    overhead_gb: float = Field(ge=0, description="framework, CUDA context, allocator slack")
     order: list[Literal["gradient-checkpointing", "halve-batch", "qlora"]] = Field(min_length=1)
+    qlora_methods: list[RecipeMethod] = Field(description="methods whose 16-bit run may fall back to 4-bit weights")
     qlora_allowed_words: list[str] = Field(description="phrases in the brief's Memory Budget or Chosen Method sections that allow a QLoRA fallback")
     cite: str = Field(pattern=_ANCHOR)
 

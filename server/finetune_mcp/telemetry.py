@@ -356,3 +356,55 @@ def probe_host(paths: dict[str, Path | str]) -> dict[str, Any]:
         "disk": {name: probe_path(p) for name, p in paths.items()},
         "server_python": sys.version.split()[0],
     }
+
+
+# The same rules for a generated train.py, which must stay standalone (training stack + pyyaml;
+# psutil comes with accelerate, pynvml may be missing). Templates paste this text verbatim;
+# tests execute it in a bare interpreter.
+TRAIN_PY_SNIPPET = '''\
+# --- mem_gb / temp_c: the rules of finetune_mcp.telemetry, standalone (GB = 1e9 bytes) ---
+import os
+import psutil
+try:
+    import pynvml
+    pynvml.nvmlInit()
+    _NVML = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+except Exception:  # no driver or no nvidia-ml-py: the CPU rules apply
+    _NVML = []
+
+
+def mem_gb():
+    """NVML GPU memory used; system memory in use on unified memory (GB10); else this process tree's RSS."""
+    used, seen, unified = 0, False, False
+    for h in _NVML:
+        try:
+            m = pynvml.nvmlDeviceGetMemoryInfo(h)
+        except Exception as e:  # NVML_ERROR_NOT_SUPPORTED on a GB10
+            unified = unified or "Not Supported" in str(e)
+            continue
+        unified = unified or m.total == 0
+        used, seen = used + m.used, seen or m.total > 0
+    if unified:
+        vm = psutil.virtual_memory()
+        return round((vm.total - vm.available) / 1e9, 3)
+    if seen:
+        return round(used / 1e9, 3)
+    me = psutil.Process(os.getpid())
+    return round(sum(p.memory_info().rss for p in [me] + me.children(recursive=True)) / 1e9, 3)
+
+
+def temp_c():
+    """The hottest GPU (NVML), else the hottest CPU sensor (psutil), else None."""
+    temps = []
+    for h in _NVML:
+        try:
+            temps.append(float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)))
+        except Exception:
+            pass
+    if not temps:
+        try:
+            temps = [r.current for g in psutil.sensors_temperatures().values() for r in g if r.current]
+        except Exception:
+            pass
+    return max(temps) if temps else None
+'''

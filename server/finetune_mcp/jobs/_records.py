@@ -65,7 +65,7 @@ class Sink:
         return (c["error"] + c["warning"]) if c else 0
 
     def to_dict(self) -> dict:
-        return {"problems": self.listed, "counts": self.counts}
+        return {"problems": self.listed, "problem_counts": self.counts}
 
 
 # ---------------------------------------------------------------- reading

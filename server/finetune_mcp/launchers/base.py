@@ -125,6 +125,21 @@ class SupervisedLauncher(Launcher):
     def alive(self, run_dir: Path, run_json: dict[str, Any]) -> bool:
         return process_alive(run_json.get("pid"), run_json.get("start_time"))
 
+    def terminate(self, run_dir: Path, run_json: dict[str, Any]) -> None:
+        """The polite stop: SIGTERM to the run's process group (supervisor, trainer and whatever it started).
+
+        The supervisor sees the stop-requested marker and does not pass it on, so the trainer gets it once.
+        """
+        os.killpg(int(run_json.get("pgid") or run_json["pid"]), signal.SIGTERM)
+
+    def trainer_pid(self, run_dir: Path, run_json: dict[str, Any]) -> int | None:
+        """The supervisor's child (what the rendered command started), as the supervisor recorded it."""
+        try:
+            pid = int((run_dir / ".trainer.pid").read_text())
+            return pid if psutil.Process(pid).ppid() == run_json.get("pid") else None
+        except (OSError, ValueError, psutil.NoSuchProcess):
+            return None
+
     def escalate(self, run_dir: Path, run_json: dict[str, Any]) -> None:
         """SIGKILL what the supervisor runs, never the supervisor: it must live to write exit.json."""
         try:
@@ -132,6 +147,16 @@ class SupervisedLauncher(Launcher):
             victims = sup.children(recursive=True)
         except psutil.NoSuchProcess:
             return
+        # Ranks torchrun started in sessions of their own, or orphaned ones, carry the run's marker.
+        from finetune_mcp.launchers.runwrap import run_processes
+
+        known = {p.pid for p in victims}
+        for pid in run_processes(str(run_dir), exclude=sup.pid):
+            if pid not in known:
+                try:
+                    victims.append(psutil.Process(pid))
+                except psutil.NoSuchProcess:
+                    pass
         for p in victims:
             try:
                 p.kill()
@@ -143,7 +168,7 @@ class SupervisedLauncher(Launcher):
         if not self.alive(run_dir, run_json):
             return sent
         try:
-            os.killpg(int(run_json.get("pgid") or run_json["pid"]), signal.SIGTERM)
+            self.terminate(run_dir, run_json)
             sent.append("SIGTERM")
         except ProcessLookupError:
             return sent

@@ -9,7 +9,7 @@ running. Stdlib only: it runs under whatever Python is at hand (the training one
 for a container run).
 
 exit.json: {"returncode": int, "signal": "SIGKILL" | null, "ended_at": ISO-8601 UTC,
-"stopped_by": "stop_run" | null, "pid": trainer pid, "wrapper_pid": int}. For a trainer killed by
+"stopped_by": "stop_run" | null, "pid": trainer pid, "wrapper_pid": int, "leftovers_killed": [pids]}. For a trainer killed by
 a signal, returncode follows the shell convention 128 + signal number and `signal` names it; a
 trainer that caught SIGTERM and exited 143 by itself has signal null.
 """
@@ -25,6 +25,36 @@ import sys
 import tempfile
 
 STOP_MARKER = "stop-requested"
+# Set in the trainer's environment; every process of the run inherits it, even one that left our
+# process group or was orphaned (torchrun starts each rank in a session of its own).
+RUN_ENV = "FINETUNE_MCP_RUN_DIR"
+
+
+def run_processes(run_dir: str, exclude: int) -> list[int]:
+    """Pids of this user's processes whose environment marks them as part of this run (Linux /proc)."""
+    want = f"{RUN_ENV}={run_dir}".encode()
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit() or int(name) == exclude:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def _sweep(run_dir: str) -> list[int]:
+    """Kill what is left of the run once its main process has ended (a rank orphaned by a killed torchrun)."""
+    left = run_processes(run_dir, os.getpid())
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return left
 
 
 def _utc_now() -> str:
@@ -77,7 +107,7 @@ def main(argv: list[str]) -> int:
             return 128 + early[0]
         try:
             child.append(subprocess.Popen(cmd, cwd=run_dir, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          close_fds=True, restore_signals=True))
+                                          close_fds=True, restore_signals=True, env={**os.environ, RUN_ENV: run_dir}))
         except OSError as e:
             out.write(f"finetune-mcp: cannot start {cmd[0]!r}: {e}\n".encode())
             _write_json_atomic(exit_path, {"returncode": 127, "signal": None, "ended_at": _utc_now(),
@@ -96,6 +126,9 @@ def main(argv: list[str]) -> int:
                 break
             except InterruptedError:
                 continue
+        leftovers = _sweep(run_dir)
+        if leftovers:
+            out.write(f"finetune-mcp: killed {len(leftovers)} process(es) the trainer left behind: {leftovers}\n".encode())
 
     sig = None
     if rc < 0:
@@ -111,6 +144,7 @@ def main(argv: list[str]) -> int:
         "stopped_by": "stop_run" if os.path.exists(stop_path) else None,
         "pid": proc.pid,
         "wrapper_pid": os.getpid(),
+        "leftovers_killed": leftovers,
     })
     return rc if rc < 256 else 1
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
 from finetune_mcp.launchers.base import RunSpec, SupervisedLauncher
 
 
@@ -18,3 +23,13 @@ class TorchrunLauncher(SupervisedLauncher):
 
     def render(self, spec: RunSpec) -> list[str]:
         return [*torchrun_argv(spec.python, spec.nproc), spec.script, "--config", str(spec.config_path)]
+
+    def terminate(self, run_dir: Path, run_json: dict[str, Any]) -> None:
+        # torchrun hands each rank a SIGTERM of its own when it gets one. Signalling the whole group
+        # as well would give every rank a second SIGTERM, which train.py takes as "exit now" and so
+        # loses the checkpoint; the agent alone is signalled.
+        agent = self.trainer_pid(run_dir, run_json)
+        if agent is None:
+            super().terminate(run_dir, run_json)
+        else:
+            os.kill(agent, signal.SIGTERM)

@@ -217,10 +217,11 @@ def _driver(observed, check, table, platform) -> Outcome:
     drv, cuda_drv = nv.get("driver_version"), _version_tuple(nv.get("cuda_driver_version"))
     major = _version_tuple(drv)[0] if _version_tuple(drv) else None
     build = _version_tuple(_torch(observed).get("cuda_build"))
-    seen = f"driver {drv or 'unknown'} (supports CUDA {_fmt_v(cuda_drv)}); torch built with CUDA {_fmt_v(build)}"
+    seen = (f"driver {drv or 'unknown'} (supports CUDA {_fmt_v(cuda_drv)}); torch built with "
+            + (f"CUDA {_fmt_v(build)}" if build else "no CUDA (CPU-only build)"))
     if platform == "dgx-spark":
         need_cuda = _version_tuple(check.thresholds.min_cuda)
-        need_drv = table.cuda_min_driver.get(need_cuda[0])
+        need_drv = table.cuda_min_driver.get(str(need_cuda[0]))
         thr = f"driver >= {need_drv} and driver CUDA >= {_fmt_v(need_cuda)}"
         if major is None or cuda_drv is None:
             return Outcome("fail", seen + "; version unreadable", thr)
@@ -230,7 +231,7 @@ def _driver(observed, check, table, platform) -> Outcome:
     if build is None:
         thr = "driver version readable (torch has no CUDA build to match; see N2)"
         return Outcome("pass" if major else "fail", seen, thr)
-    need_drv = table.cuda_min_driver.get(build[0])
+    need_drv = table.cuda_min_driver.get(str(build[0]))
     if need_drv is None:
         return Outcome("warn", seen, f"a known minimum driver for CUDA {build[0]} (table has {sorted(table.cuda_min_driver)})")
     thr = f"driver >= {need_drv} for CUDA {build[0]}.x"
@@ -288,14 +289,15 @@ def _memory(observed, check, platform, est: dict | None, model_error: str | None
     need = est["gb"]["total"]
     frac = check.thresholds.headroom_fraction or 1.0
     mem = (observed.get("host") or {}).get("memory") or {}
-    if platform == "generic-nvidia":
-        frees = [(g.free_gb if g.free_gb is not None else g.total_gb) for g in gpus(observed)]
+    gs = gpus(observed)
+    if platform == "generic-nvidia" and not any(g.unified for g in gs):
+        frees = [(g.free_gb if g.free_gb is not None else g.total_gb) for g in gs]
         frees = [f for f in frees if f is not None]
         avail = min(frees) if frees else None
         where = "free VRAM of the smallest GPU"
     else:
         avail = mem.get("available_gb")
-        where = "unified memory available (MemAvailable)" if platform == "dgx-spark" else "system RAM available"
+        where = "unified memory available (MemAvailable)" if platform != "cpu" else "system RAM available"
     seen = f"estimate {need:.2f} GB ({est['method']}, {est['precision']}, seq {est['max_seq_length']}, micro batch {est['micro_batch_size']}); {where} {_num(avail, ' GB')}"
     if budget_gb:
         seen += f"; brief budget {budget_gb:g} GB"
@@ -413,7 +415,7 @@ def _imports(observed, check, platform, method: str) -> Outcome:
         if not ok:
             status = "warn" if status == "pass" else status
             causes.append("ptxas")
-    return Outcome(status, "; ".join(notes), thr + (f"; Triton's ptxas release >= {t.min_ptxas:g}" if platform == "dgx-spark" and t.min_ptxas else ""), tuple(causes))
+    return Outcome(status, "; ".join(notes), thr + (f"; Triton's ptxas release >= {t.min_ptxas:.1f}" if platform == "dgx-spark" and t.min_ptxas else ""), tuple(causes))
 
 
 def _ptxas_ok(observed, min_release: float) -> tuple[bool, str]:
@@ -439,7 +441,7 @@ def _bf16(observed, check, platform) -> Outcome:
     t = _torch(observed)
     min_cap = check.thresholds.min_capability or 8.0
     need = _version_tuple(min_cap)
-    thr = f"native bf16 (compute capability >= {min_cap:g}; torch.cuda.is_bf16_supported(including_emulation=False))"
+    thr = f"native bf16 (compute capability >= {min_cap:.1f}; torch.cuda.is_bf16_supported(including_emulation=False))"
     bad = "fail" if platform == "dgx-spark" else "warn"
     native = t.get("bf16")
     caps = [g.capability for g in gpus(observed) if g.capability]

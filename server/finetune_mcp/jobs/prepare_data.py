@@ -1,0 +1,785 @@
+"""Worker job behind prepare_dataset: load, validate, template, tokenize, guard, pack, decode and write a dataset.
+
+Runs in the training Python (`python -m finetune_mcp.jobs.prepare_data`, params as JSON on stdin) and is
+also what an experiment's data/prepare.py calls to rebuild the same files. The pipeline order is fixed:
+records are validated, each example is templated with the base model's chat template on its own, and
+only then are the token sequences packed with TRL's pack_dataset (strategy "bfd"), the function and
+strategy SFTTrainer uses. Files are written to params["out_dir"], which the caller renames into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from finetune_mcp.jobs import _proto, _records as R
+from finetune_mcp.jobs._proto import JobError
+
+STAGES = 7
+# Trained spans in decoded samples; chosen because chat text rarely contains them.
+MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
+SAMPLE_RULE = "──"
+
+
+def _progress(done: float, message: str, total: float = STAGES) -> None:
+    if _proto._out is not None:
+        _proto.emit_progress(done, total, message)
+    else:
+        print(f"[{done:.1f}/{total}] {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_rows(src: dict, per_code: int) -> tuple[R.Raw, R.Sink]:
+    """Rows from any supported source. src: {"kind": "path", "path": ...} or {"kind": "hf", "id": ...}."""
+    if src["kind"] == "hf":
+        return _load_hf(src["id"], src.get("split")), R.Sink(per_code)
+    path = Path(src["path"])
+    kind, files, ignored = R.source_files(path)
+    if kind == "text":
+        return R.read_text_source(path, per_code)
+    sink = R.Sink(per_code)
+    raw = R.Raw(ignored=[str(p) for p in ignored])
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        for f in files:
+            try:
+                rows = pq.read_table(f).to_pylist()
+            except Exception as e:  # pyarrow raises several types for a broken file
+                sink.error("unreadable", f"not a readable Parquet file: {e}", file=str(f))
+                continue
+            raw.rows += rows
+            raw.origins += [(str(f), None)] * len(rows)
+            raw.files.append(str(f))
+    elif kind == "arrow":
+        import datasets
+
+        for f in files:
+            try:
+                rows = datasets.Dataset.from_file(str(f)).to_list()
+            except Exception as e:
+                sink.error("unreadable", f"not a readable Arrow file: {e}", file=str(f))
+                continue
+            raw.rows += rows
+            raw.origins += [(str(f), None)] * len(rows)
+            raw.files.append(str(f))
+    else:  # save_to_disk
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as e:
+            raise JobError(f"cannot load the save_to_disk folder: {e}", kind="BadInput", where=str(path)) from None
+        ds = _pick_split(ds, src.get("split"), str(path))
+        raw.rows = ds.to_list()
+        raw.origins = [(str(path), None)] * len(raw.rows)
+        raw.files.append(str(path))
+    return raw, sink
+
+
+def _pick_split(ds, split: str | None, where: str):
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        names = list(ds.keys())
+        name = split or ("train" if "train" in ds else (names[0] if len(names) == 1 else None))
+        if name is None or name not in ds:
+            raise JobError(f"the dataset has splits {', '.join(names)} and none is called train", kind="BadInput", where=where,
+                           fix="save the training split alone, or name it train")
+        return ds[name]
+    return ds
+
+
+def _load_hf(hf_id: str, split: str | None) -> R.Raw:
+    import datasets
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        ds = datasets.load_dataset(hf_id)
+    except Exception as e:
+        raise JobError(
+            f"dataset {hf_id!r} could not be loaded from the local HF cache: {type(e).__name__}: {str(e)[:300]}",
+            kind="NotFound",
+            where=hf_id,
+            fix=f"this server never downloads; on a machine with hub access run `datasets.load_dataset({hf_id!r})` with the same HF_HOME "
+            "and copy the cache here, or save the data to a file and pass its path",
+        ) from None
+    ds = _pick_split(ds, split, hf_id)
+    raw = R.Raw(files=[hf_id])
+    raw.rows = ds.to_list()
+    raw.origins = [(hf_id, None)] * len(raw.rows)
+    return raw
+
+
+# ---------------------------------------------------------------- tokenization (TRL's own helpers)
+
+
+class Templater:
+    """Templating and masking as the TRL trainers do it, with the template training will use."""
+
+    def __init__(self, model_path: str, fmt: str, method: str):
+        from transformers import AutoTokenizer
+        from trl.chat_template_utils import get_training_chat_template, has_generation_markers, is_chat_template_stop_token_trained
+        from trl.data_utils import _tokenize, common_prefix_length
+
+        self._tokenize, self._cpl = _tokenize, common_prefix_length
+        try:
+            self.tok = AutoTokenizer.from_pretrained(model_path)
+        except Exception as e:
+            raise JobError(f"cannot load the base model's tokenizer: {type(e).__name__}: {e}", kind="JobFailed", where=model_path) from None
+        self.fmt, self.method = fmt, method
+        tpl = self.tok.chat_template
+        if isinstance(tpl, dict):
+            tpl = tpl.get("default")
+        self.base_template = tpl
+        self.template_source = "tokenizer"
+        self.chat_template = None  # None: the tokenizer's own, as the trainer passes it
+        self.assistant_only = fmt in ("messages", "vision")
+        self.generation_markers = bool(tpl) and has_generation_markers(tpl)
+        self.stop_token_trained: bool | None = None
+        if fmt in ("messages", "vision") and not tpl:
+            raise JobError("the base model's tokenizer has no chat template, so conversations cannot be templated", kind="BadInput",
+                           where=f"{model_path}/tokenizer_config.json", fix="use a model with a chat template, or prompt/completion text rows")
+        if self.assistant_only:
+            # SFTTrainer swaps in TRL's training template when the model's lacks {% generation %}; do the same.
+            try:
+                patched = get_training_chat_template(self.tok)
+            except Exception:
+                patched = None
+            if patched is not None:
+                self.chat_template = patched
+                self.template_source = "trl-training-template"
+            elif not self.generation_markers:
+                raise JobError(
+                    "the base model's chat template has no {% generation %} markers and TRL has no training template for it, "
+                    "so the assistant tokens cannot be masked",
+                    kind="BadInput", where=f"{model_path}: chat_template",
+                    fix="give the data as prompt/completion (loss on the completion needs no markers), or add {% generation %} markers to the template",
+                )
+            try:
+                self.stop_token_trained = bool(is_chat_template_stop_token_trained(self.tok, chat_template=self.chat_template))
+            except Exception:
+                self.stop_token_trained = None
+        used = self.chat_template or tpl or ""
+        self.template_sha256 = hashlib.sha256(used.encode()).hexdigest() if used else None
+        self.eos = self.tok.eos_token or ""
+
+    def _kw(self, rec: dict) -> dict:
+        tools = rec.get("tools")
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+        return {"chat_template": self.chat_template, "tools": tools, **(rec.get("chat_template_kwargs") or {})}
+
+    def conversation(self, rec: dict) -> tuple[list[int], list[int]]:
+        out = self._tokenize(self.tok, rec["messages"], return_assistant_tokens_mask=True, **self._kw(rec))
+        ids = list(out["input_ids"])
+        mask = out.get("assistant_masks") or [0] * len(ids)
+        return ids, [t if m else -100 for t, m in zip(ids, mask)]
+
+    def prompt_completion(self, prompt: Any, completion: Any, rec: dict) -> tuple[list[int], list[int], int]:
+        """(ids, labels, prompt_len) with loss on the completion, as SFT/DPO/KTO trainers build them."""
+        if isinstance(prompt, list):
+            kw = self._kw(rec)
+            p = self._tokenize(self.tok, prompt, add_generation_prompt=True, **kw)["input_ids"]
+            pc = self._tokenize(self.tok, prompt + completion, **kw)["input_ids"]
+        else:
+            if self.eos and not completion.endswith(self.eos):
+                completion = completion + self.eos
+            p = self._tokenize(self.tok, prompt)["input_ids"]
+            pc = self._tokenize(self.tok, prompt + completion)["input_ids"]
+        p, pc = list(p), list(pc)
+        n = self._cpl(p, pc)
+        return pc, [-100] * n + pc[n:], n
+
+    def prompt_only(self, prompt: Any, rec: dict) -> list[int]:
+        if isinstance(prompt, list):
+            return list(self._tokenize(self.tok, prompt, add_generation_prompt=True, **self._kw(rec))["input_ids"])
+        return list(self._tokenize(self.tok, prompt)["input_ids"])
+
+    def sequences(self, rec: dict) -> list[tuple[str, list[int], list[int]]]:
+        """[(part, ids, labels)] for one record: one sequence, or chosen and rejected for preference pairs."""
+        f = self.fmt
+        if f in ("messages", "vision") and "messages" in rec:
+            ids, labels = self.conversation(rec)
+            return [("", ids, labels)]
+        if f in ("prompt-completion", "kto", "vision"):
+            ids, labels, _ = self.prompt_completion(rec["prompt"], rec["completion"], rec)
+            return [("", ids, labels)]
+        if f == "preference":
+            c_ids, c_lab, _ = self.prompt_completion(rec["prompt"], rec["chosen"], rec)
+            r_ids, r_lab, _ = self.prompt_completion(rec["prompt"], rec["rejected"], rec)
+            return [("chosen", c_ids, c_lab), ("rejected", r_ids, r_lab)]
+        if f == "grpo":
+            ids = self.prompt_only(rec["prompt"], rec)
+            return [("prompt", ids, [-100] * len(ids))]
+        raise JobError(f"no tokenization for format {f}", kind="JobFailed")
+
+    def render(self, ids: list[int], labels: list[int]) -> str:
+        """Decoded text with every run of trained tokens wrapped in ⟦ ⟧."""
+        out, run, trained = [], [], None
+        for t, lab in zip(ids, labels):
+            tr = lab != -100
+            if trained is not None and tr != trained:
+                out.append(self._piece(run, trained))
+                run = []
+            run.append(t)
+            trained = tr
+        if run:
+            out.append(self._piece(run, bool(trained)))
+        return "".join(out)
+
+    def _piece(self, ids: list[int], trained: bool) -> str:
+        text = self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return f"{MARK_OPEN}{text}{MARK_CLOSE}" if trained else text
+
+
+# ---------------------------------------------------------------- near duplicates and the collapse guard
+
+
+_P = 4294967311  # a prime above 2**32: (a*x + b) mod P stays inside uint64 for 32-bit a, x, b
+
+
+def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int | None], int]:
+    """For each record the index of an earlier near copy (MinHash Jaccard >= mh["jaccard"]) or None.
+    Returns (match, candidate_pairs_checked)."""
+    import numpy as np
+
+    n = len(texts)
+    k = mh["shingle_words"]
+    hashes: list[int] = []
+    offsets: list[int] = []
+    empty = np.zeros(n, dtype=bool)
+    for i, t in enumerate(texts):
+        w = R.words(t)
+        offsets.append(len(hashes))
+        if not w:
+            empty[i] = True
+            hashes.append(zlib.crc32(f"\x00empty{i}".encode()))
+            continue
+        sh = {" ".join(w[j:j + k]) for j in range(max(1, len(w) - k + 1))}
+        hashes.extend(zlib.crc32(s.encode("utf-8", "surrogatepass")) for s in sh)
+    if n == 0:
+        return [], 0
+    x = np.asarray(hashes, dtype=np.uint64)
+    off = np.asarray(offsets, dtype=np.int64)
+    rng = np.random.default_rng(seed + 7919)
+    perm = mh["num_perm"]
+    a = rng.integers(1, 2**32 - 1, size=perm, dtype=np.uint64)
+    b = rng.integers(0, 2**32 - 1, size=perm, dtype=np.uint64)
+    sig = np.empty((perm, n), dtype=np.uint64)
+    step = 8
+    for s0 in range(0, perm, step):
+        vals = (a[s0:s0 + step, None] * x[None, :] + b[s0:s0 + step, None]) % np.uint64(_P)
+        sig[s0:s0 + step] = np.minimum.reduceat(vals, off, axis=1)
+    bands = mh["bands"]
+    rows = perm // bands
+    thr = mh["jaccard"]
+    match: list[int | None] = [None] * n
+    checked = 0
+    for bi in range(bands):
+        block = np.ascontiguousarray(sig[bi * rows:(bi + 1) * rows].T)
+        keys = block.view(np.dtype((np.void, block.dtype.itemsize * rows))).ravel()
+        _, inv, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        if counts.max(initial=1) < 2:
+            continue
+        groups: dict[int, list[int]] = {}
+        for i in np.flatnonzero(counts[inv] > 1):
+            groups.setdefault(int(inv[i]), []).append(int(i))
+        for members in groups.values():
+            members.sort()
+            for pos, j in enumerate(members[1:], start=1):
+                if match[j] is not None or empty[j]:
+                    continue
+                # Compare with earlier members; cap the work in huge buckets (a collapsed set).
+                for i in members[:min(pos, 16)]:
+                    if empty[i]:
+                        continue
+                    checked += 1
+                    if float(np.mean(sig[:, i] == sig[:, j])) >= thr:
+                        match[j] = i
+                        break
+    return match, checked
+
+
+def collapse_metrics(trained: list[str], near_share: float, table: dict, seed: int) -> dict:
+    import random
+
+    order = list(range(len(trained)))
+    random.Random(f"collapse:{seed}").shuffle(order)
+    uni, bi = [], []
+    budget = table["sample_words"]
+    for i in order:
+        w = R.words(trained[i])
+        if not w:
+            continue
+        take = w[:budget - len(uni)]
+        uni += take
+        bi += list(zip(take, take[1:]))
+        if len(uni) >= budget:
+            break
+    lengths = [len(R.words(t)) for t in trained]
+    mean = statistics.fmean(lengths) if lengths else 0.0
+    cv = (statistics.pstdev(lengths) / mean) if mean > 0 else 0.0
+    openings = Counter(" ".join(R.words(t)[: table["opening_words"]]) for t in trained if R.words(t))
+    top, top_n = (openings.most_common(1)[0] if openings else ("", 0))
+    return {
+        "distinct-1": round(len(set(uni)) / len(uni), 4) if uni else 0.0,
+        "distinct-2": round(len(set(bi)) / len(bi), 4) if bi else 0.0,
+        "near-duplicate-share": round(near_share, 4),
+        "length-cv": round(cv, 4),
+        "top-opening-share": round(top_n / max(sum(openings.values()), 1), 4),
+        "_top_opening": top,
+        "_sample_words": len(uni),
+        "_mean_words": round(mean, 2),
+    }
+
+
+def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink) -> dict:
+    verdicts = {}
+    gated = n_records < table["min_records"]
+    for name, bounds in table["metrics"].items():
+        v = values[name]
+        verdict = "ok"
+        msg = None
+        if bounds.get("fail_below") is not None and v < bounds["fail_below"]:
+            verdict, msg = "fail", f"{name} {v} is below {bounds['fail_below']}"
+        elif bounds.get("fail_above") is not None and v > bounds["fail_above"]:
+            verdict, msg = "fail", f"{name} {v} is above {bounds['fail_above']}"
+        elif bounds.get("warn_below") is not None and v < bounds["warn_below"]:
+            verdict, msg = "warn", f"{name} {v} is below {bounds['warn_below']}"
+        elif bounds.get("warn_above") is not None and v > bounds["warn_above"]:
+            verdict, msg = "warn", f"{name} {v} is above {bounds['warn_above']}"
+        elif all(bounds.get(k) is None for k in ("fail_below", "fail_above", "warn_below", "warn_above")):
+            verdict = "info"
+        if name == "top-opening-share" and msg:
+            msg += f" (most common opening: {values['_top_opening']!r})"
+        if verdict == "fail" and gated:
+            verdict = "warn"
+            msg += f"; not failing: fewer than {table['min_records']} records"
+        verdicts[name] = verdict
+        if verdict == "fail":
+            sink.error(f"collapse-{name}", f"collapse guard: {msg}", field="trained text")
+        elif verdict == "warn":
+            sink.warn(f"collapse-{name}", f"collapse guard: {msg}", field="trained text")
+    return verdicts
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def _stats(xs: list[int]) -> dict:
+    if not xs:
+        return {"min": 0, "p50": 0, "p90": 0, "p99": 0, "max": 0, "mean": 0.0}
+    s = sorted(xs)
+
+    def q(p: float) -> int:
+        return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
+
+    return {"min": s[0], "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": s[-1], "mean": round(statistics.fmean(s), 2)}
+
+
+def _where(origins, i) -> dict:
+    f, line, rec = origins[i]
+    return {"file": f, "line": line, "record": rec}
+
+
+def _loc(origins, i) -> str:
+    f, line, rec = origins[i]
+    return f"{Path(f).name}:{line}" if line else f"{Path(f).name} row {rec}"
+
+
+def prepare(P: dict) -> dict:
+    """The whole pipeline; writes P["out_dir"]/{train,eval}.jsonl and meta.json only when nothing failed."""
+    tables = P["tables"]
+    formats, validation, collapse = tables["formats"], tables["validation"], tables["collapse"]
+    per_code = validation["listed_per_code"]
+    method, seq_len = P["method"], int(P["max_seq_length"])
+    seed = int(P.get("seed", 0))
+    roots = [Path(r) for r in P.get("allowed_roots") or []]
+
+    def path_ok(p: Path) -> bool:
+        return not roots or any(p == r or p.is_relative_to(r) for r in roots)
+
+    _progress(0, "reading the source")
+    raw, sink = load_rows(P["source"], per_code)
+    _progress(1, f"validating {len(raw.rows)} records")
+    checked = R.check_records(raw, sink, method=method, formats=formats, validation=validation, path_ok=path_ok)
+    base = {
+        "shape": checked.shape, "format": checked.format, "conversion": checked.conversion,
+        "files": raw.files, "ignored_files": raw.ignored, "reference_field": checked.reference_field,
+        "counts": {"read": checked.read, "valid": len(checked.records) + checked.dropped["exact-duplicate"],
+                   "dropped_exact_duplicates": checked.dropped["exact-duplicate"], "kept": len(checked.records)},
+        "labels": checked.extra.get("labels"),
+    }
+    if len(checked.records) < validation["min_examples"] and not sink.errors:
+        sink.error("too-few-records", f"{len(checked.records)} usable records; the skill asks for at least {validation['min_examples']}")
+    if sink.errors:
+        return {"ok": False, "stage": "validation", **base, **sink.to_dict()}
+    records, origins, fmt = checked.records, checked.origins, checked.format
+
+    # Near duplicates first: each cluster goes to one split, so eval never scores a near copy of train.
+    _progress(2, "checking near duplicates and the collapse guard")
+    texts = [R.full_text(r, fmt) for r in records]
+    match, _ = near_duplicates(texts, collapse["minhash"], seed)
+    parent = list(range(len(records)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    n_near = 0
+    for j, i in enumerate(match):
+        if i is not None:
+            n_near += 1
+            parent[root(j)] = root(i)
+            sink.warn("near-duplicate", f"near copy of {_loc(origins, i)} (record {origins[i][2]})", **_where(origins, j))
+    near_share = n_near / max(len(records), 1)
+    rule = validation["share_rules"]["near-duplicate"]
+    if near_share > rule["fail_above"]:
+        sink.error("near-duplicate", f"{n_near} of {len(records)} records ({near_share:.1%}) are near copies, above the {rule['fail_above']:.0%} the skill allows")
+    trained_txt = ["\n".join(R.trained_texts(r, fmt, checked.reference_field)) for r in records]
+    cvals = collapse_metrics(trained_txt, near_share, collapse, seed)
+    cverdicts = judge_collapse(cvals, collapse, len(records), sink)
+
+    # Split by content hash of each cluster's first record.
+    keys = [R.record_key(r) for r in records]
+    frac = float(P.get("eval_fraction", 0.05))
+    score = [R.split_key(keys[root(i)], seed) for i in range(len(records))]
+    is_eval = [s < frac for s in score]
+    need = validation["min_eval_examples"] if frac > 0 else 0
+    if sum(is_eval) < need:
+        for i in sorted(range(len(records)), key=lambda i: score[i]):
+            if sum(is_eval) >= need:
+                break
+            r0 = root(i)
+            for j in range(len(records)):
+                if root(j) == r0:
+                    is_eval[j] = True
+    if all(is_eval):
+        sink.error("too-few-records", "every record landed in the eval split; lower eval_fraction")
+    train_idx = [i for i in range(len(records)) if not is_eval[i]]
+    eval_idx = [i for i in range(len(records)) if is_eval[i]]
+
+    # Template each example on its own, then measure, then pack.
+    _progress(3, f"applying the chat template to {len(records)} records")
+    tp = Templater(P["model_path"], fmt, method)
+    seqs: list[list[tuple[str, list[int], list[int]]]] = []
+    tick = max(1, len(records) // 10)
+    for i, rec in enumerate(records):
+        try:
+            seqs.append(tp.sequences(rec))
+        except JobError:
+            raise
+        except Exception as e:  # a template that raises on this record (e.g. its own role checks)
+            sink.error("chat-template", f"the chat template failed on this record: {type(e).__name__}: {str(e)[:200]}", **_where(origins, i))
+            seqs.append([])
+        if i % tick == tick - 1:
+            _progress(3 + (i + 1) / len(records), f"templated {i + 1}/{len(records)}")
+    if sink.errors:
+        return {"ok": False, "stage": "templating", **base, **sink.to_dict()}
+
+    lengths, trained_counts, over, cut = [], [], 0, 0
+    over_by: list[int] = []
+    for i, parts in enumerate(seqs):
+        rec_over = 0
+        for part, ids, labels in parts:
+            lengths.append(len(ids))
+            if len(ids) > seq_len:
+                rec_over = max(rec_over, len(ids) - seq_len)
+            if fmt == "grpo":
+                continue
+            kept = sum(1 for x in labels[:seq_len] if x != -100)
+            trained_counts.append(kept)
+            if kept == 0:
+                total = sum(1 for x in labels if x != -100)
+                why = (f"all {total} trained tokens lie beyond max_seq_length {seq_len}" if total else
+                       "the template's mask covers none of its tokens")
+                sink.error("no-trained-tokens", f"{part + ': ' if part else ''}no token carries loss: {why}", **_where(origins, i),
+                           field=part or ("messages" if fmt in ("messages", "vision") else "completion"))
+        if fmt == "grpo" and rec_over:
+            sink.error("too-long", f"the templated prompt has {max(len(p[1]) for p in parts)} tokens, leaving no room to generate within {seq_len}",
+                       **_where(origins, i), field="prompt")
+        elif rec_over:
+            over += 1
+            cut += rec_over
+            over_by.append(rec_over)
+            sink.warn("too-long", f"{rec_over} tokens past max_seq_length {seq_len} would be cut", **_where(origins, i))
+    rule = validation["share_rules"]["too-long"]
+    over_share = over / max(len(records), 1)
+    if over and over_share > rule["fail_above"]:
+        sink.error("too-long", f"{over} of {len(records)} records ({over_share:.1%}) exceed max_seq_length {seq_len}, "
+                   f"above the {rule['fail_above']:.0%} the skill allows; raise max_seq_length in the brief or shorten the records")
+    if tp.stop_token_trained is False:
+        sink.warn("stop-token", "the chat template leaves the assistant's end-of-turn token outside the loss mask; the model may not learn to stop",
+                  field="chat_template")
+    token_stats = {
+        "tokens_per_sequence": _stats(lengths),
+        "trained_tokens_per_sequence": _stats(trained_counts) if trained_counts else None,
+        "total_tokens": sum(lengths),
+        "over_max_seq_length": over,
+        "over_share": round(over_share, 4),
+        "tokens_cut": cut,
+        "max_overflow": max(over_by) if over_by else 0,
+    }
+    template = {
+        "source": tp.template_source, "sha256": tp.template_sha256, "generation_markers": tp.generation_markers,
+        "stop_token_trained": tp.stop_token_trained, "assistant_only_loss": tp.assistant_only,
+        "eos_token": tp.eos,
+    }
+    result = {**base, "tokens": token_stats, "template": template,
+              "collapse": {"values": {k: v for k, v in cvals.items() if not k.startswith("_")},
+                           "top_opening": cvals["_top_opening"], "sample_words": cvals["_sample_words"],
+                           "verdicts": cverdicts, "min_records": collapse["min_records"]},
+              "near_duplicates": {"records": n_near, "share": round(near_share, 4), "clusters_in_one_split": True}}
+    result["counts"].update(train=len(train_idx), eval=len(eval_idx))
+    if sink.errors:
+        return {"ok": False, "stage": "checks", **result, **sink.to_dict()}
+
+    # Pack the training split exactly as SFTTrainer does, then decode from what the collator hands the model.
+    dec = validation["decoded_samples"]
+    packing = bool(P.get("packing")) and fmt in ("messages", "prompt-completion")
+    pack_info = None
+    decoded: list[str] = []
+    if packing:
+        _progress(4, f"packing {len(train_idx)} sequences at {seq_len} tokens with TRL bfd")
+        pack_info, decoded = _pack_and_decode(tp, seqs, train_idx, origins, seq_len, dec, P)
+    else:
+        _progress(4, "decoding templated examples (packing off)")
+        decoded = _decode_unpacked(tp, seqs, train_idx, origins, records, fmt, checked.reference_field, dec)
+
+    _progress(5, "writing the splits")
+    out = Path(P["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    digests = {}
+    for name, idx in (("train.jsonl", train_idx), ("eval.jsonl", eval_idx)):
+        digests[name] = _write_jsonl(out / name, [records[i] for i in idx], origins, idx)
+    trainer = _trainer_settings(fmt, method, seq_len, packing, checked.reference_field)
+    meta = {
+        "name": P.get("name"),
+        "method": method,
+        "format": fmt,
+        "conversion": checked.conversion,
+        "source": P["source"],
+        "source_files": raw.files,
+        "source_sha256": R.file_digests([f for f in raw.files if Path(f).exists()]) if P["source"]["kind"] == "path" else {},
+        "counts": result["counts"],
+        "split": {"rule": "blake2b(seed:record) < eval_fraction; near-duplicate clusters share a split",
+                  "seed": seed, "eval_fraction": frac},
+        "max_seq_length": seq_len,
+        "chat_template": template,
+        "trainer_settings": trainer,
+        "reference_field": checked.reference_field,
+        "files": digests,
+        "tokens": token_stats,
+        "packing": pack_info,
+        "versions": _versions(),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    _progress(6, "done")
+    return {"ok": True, "stage": "done", **result, "packing": pack_info, "decoded_samples": decoded,
+            "trainer_settings": trainer, "files_sha256": digests, "meta": "meta.json", **sink.to_dict()}
+
+
+def _trainer_settings(fmt: str, method: str, seq_len: int, packing: bool, ref: str | None) -> dict:
+    s: dict[str, Any] = {"max_length": seq_len}
+    if method in ("sft-lora", "sft-qlora", "vlm-sft"):
+        s.update(packing=packing, packing_strategy="bfd" if packing else None, padding_free=packing,
+                 assistant_only_loss=fmt in ("messages", "vision"),
+                 completion_only_loss=True if fmt == "prompt-completion" else None)
+    if method == "grpo":
+        s["reference_field"] = ref
+    return s
+
+
+def _versions() -> dict:
+    out = {}
+    for mod in ("trl", "transformers", "datasets", "tokenizers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = None
+    return out
+
+
+def _write_jsonl(path: Path, rows: list[dict], origins, idx) -> str:
+    h = hashlib.sha256()
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        for r, i in zip(rows, idx):
+            try:
+                line = (json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8")
+            except (TypeError, ValueError) as e:
+                raise JobError(f"a record holds a value that cannot be written as JSON ({e})", kind="BadInput",
+                               where=_loc(origins, i), fix="convert binary or non-JSON columns before preparing") from None
+            h.update(line)
+            fh.write(line)
+    os.replace(tmp, path)
+    return h.hexdigest()
+
+
+def _pick(n: int, k: int) -> list[int]:
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def _pack_and_decode(tp: Templater, seqs, train_idx, origins, seq_len: int, dec: dict, P: dict) -> tuple[dict, list[str]]:
+    import datasets
+    from trl.data_utils import pack_dataset
+
+    datasets.disable_progress_bars()
+    ids = [seqs[i][0][1] for i in train_idx]
+    labels = [seqs[i][0][2] for i in train_idx]
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
+    packed = pack_dataset(ds, seq_len, "bfd")
+    rows = packed.num_rows
+    seq_lengths = packed["seq_lengths"]
+    real = sum(sum(s) for s in seq_lengths)
+    efficiency = real / (rows * seq_len) if rows else 0.0
+    multi = sum(1 for s in seq_lengths if len(s) > 1)
+
+    # Which record each packed sample came from: match the token sequences back.
+    by_seq: dict[bytes, list[int]] = {}
+    for i in train_idx:
+        key = hashlib.blake2b(json.dumps(seqs[i][0][1][:seq_len]).encode(), digest_size=16).digest()
+        by_seq.setdefault(key, []).append(i)
+
+    want = min(dec["max"], rows)
+    # Prefer rows that hold several samples: boundaries are what needs inspecting.
+    multi_rows = [r for r in range(rows) if len(seq_lengths[r]) > 1]
+    pool = multi_rows if len(multi_rows) >= want else list(range(rows))
+    chosen = [pool[i] for i in _pick(len(pool), want)]
+    batch = [{"input_ids": packed[r]["input_ids"], "labels": packed[r]["labels"], "seq_lengths": seq_lengths[r]} for r in chosen]
+    attention = _attention_check(tp, batch)
+    # Render from the collator's labels: what the model is trained on, after its own boundary masking.
+    coll_labels = attention.pop("_labels", None)
+    texts = []
+    offset = 0
+    for n, (r, ex) in enumerate(zip(chosen, batch)):
+        row_ids = ex["input_ids"]
+        row_lab = coll_labels[offset:offset + len(row_ids)] if coll_labels is not None else ex["labels"]
+        offset += len(row_ids)
+        lines = [f"### Packed sequence {n + 1} (row {r} of {rows}): {len(row_ids)}/{seq_len} tokens, {len(ex['seq_lengths'])} samples",
+                 f"position_ids restart at 0 for each sample: " + " | ".join(f"0..{L - 1}" for L in ex["seq_lengths"])]
+        start = 0
+        for k, L in enumerate(ex["seq_lengths"]):
+            seg = row_ids[start:start + L]
+            key = hashlib.blake2b(json.dumps(seg).encode(), digest_size=16).digest()
+            cands = by_seq.get(key) or []
+            rec = cands.pop(0) if cands else None
+            src = f"record {origins[rec][2]} ({_loc(origins, rec)})" if rec is not None else "record unknown"
+            lines.append(f"{SAMPLE_RULE} sample {k + 1}: {src}, tokens {start}-{start + L - 1} {SAMPLE_RULE}")
+            lines.append(tp.render(seg, row_lab[start:start + L]))
+            start += L
+        texts.append("\n".join(lines))
+    info = {
+        "enabled": True,
+        "strategy": "bfd",
+        "function": "trl.data_utils.pack_dataset",
+        "seq_length": seq_len,
+        "sequences_in": len(train_idx),
+        "rows": rows,
+        "rows_with_several_samples": multi,
+        "tokens": real,
+        "efficiency": round(efficiency, 4),
+        "decoded_rows": len(texts),
+        "attention": attention,
+    }
+    return info, texts
+
+
+def _attention_check(tp: Templater, batch: list[dict]) -> dict:
+    """Run TRL's padding-free collator on the rows and check that the segments transformers derives from its
+    position_ids are exactly the packed samples."""
+    how = ("padding-free: TRL's collator flattens the batch, drops the attention mask, restarts position_ids at 0 "
+           "for every sample (from seq_lengths) and passes cu_seq_lens for varlen kernels; transformers builds a "
+           "block-diagonal causal mask from the restarts for SDPA/eager attention")
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        pad = tp.tok.pad_token_id if tp.tok.pad_token_id is not None else (tp.tok.eos_token_id or 0)
+        coll = DataCollatorForLanguageModeling(pad_token_id=pad, padding_free=True)
+        out = coll(batch)
+        pos = out["position_ids"]
+        seg = find_packed_sequence_indices(pos)
+        expected, s = [], 0
+        for ex in batch:
+            for L in ex["seq_lengths"]:
+                expected.append(s)
+                s += L
+        starts = [0] + [int(i) for i in range(1, pos.shape[1]) if int(seg[0, i]) != int(seg[0, i - 1])] if seg is not None else [0]
+        cu = [int(x) for x in out["cu_seq_lens_q"][:-1]]
+        ok = starts == expected and cu == expected and "attention_mask" not in out
+        return {"verified": ok, "how": how, "samples": len(expected), "segment_starts_match": starts == expected,
+                "cu_seq_lens_match": cu == expected, "attention_mask_dropped": "attention_mask" not in out,
+                "_labels": out["labels"][0].tolist()}
+    except Exception as e:  # report, never crash the phase on the inspection itself
+        return {"verified": False, "how": how, "error": f"{type(e).__name__}: {e}"}
+
+
+def _decode_unpacked(tp: Templater, seqs, train_idx, origins, records, fmt, ref, dec) -> list[str]:
+    out = []
+    for n, i in enumerate(train_idx[j] for j in _pick(len(train_idx), dec["max"])):
+        lines = [f"### Example {n + 1}: record {origins[i][2]} ({_loc(origins, i)})"]
+        for part, ids, labels in seqs[i]:
+            if part:
+                lines.append(f"{SAMPLE_RULE} {part} ({len(ids)} tokens) {SAMPLE_RULE}")
+            else:
+                lines.append(f"{SAMPLE_RULE} {len(ids)} tokens {SAMPLE_RULE}")
+            lines.append(tp.render(ids, labels))
+        if fmt == "grpo":
+            lines.append(f"{SAMPLE_RULE} reference answer ({ref}): {records[i].get(ref)!r}")
+        if fmt == "kto":
+            lines.append(f"{SAMPLE_RULE} label: {records[i]['label']}")
+        out.append("\n".join(lines))
+    return out
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def reproduce(params: dict, out_dir: str | os.PathLike) -> dict:
+    """Rebuild a prepared dataset into out_dir (used by data/prepare.py): staging folder, then rename."""
+    import shutil
+    import tempfile
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".staging-{out_dir.name}-", dir=out_dir.parent))
+    try:
+        res = prepare({**params, "out_dir": str(stage)})
+        if not res["ok"]:
+            for p in res["problems"]:
+                print(f"{p['severity']}: {p['code']}: {p['message']} ({p.get('file')}:{p.get('line')} {p.get('field') or ''})", file=sys.stderr)
+            raise SystemExit(f"dataset not rebuilt: the {res['stage']} stage failed")
+        old = None
+        if out_dir.exists():
+            old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
+            os.replace(out_dir, old)
+        os.replace(stage, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return res
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _job(params: dict) -> dict:
+    return prepare(params)
+
+
+if __name__ == "__main__":
+    _proto.run_main(_job)

@@ -1,0 +1,134 @@
+
+
+# --- the run ------------------------------------------------------------------------------------------
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else None
+
+
+def learning_signal(cfg, history):
+    """The recipe's signal metric over the run: mean of the first and of the last quarter of its logs."""
+    metric, direction = cfg["signal"]["metric"], cfg["signal"]["direction"]
+    values = [v for v in (_finite(h.get(metric)) for h in history if metric in h) if v is not None]
+    k = max(1, len(values) // 4)
+    first, last = _mean(values[:k]), _mean(values[-k:])
+    moved = None
+    if first is not None and last is not None and len(values) >= 2:
+        moved = last < first if direction == "falls" else last > first
+    return {"metric": metric, "direction": direction, "first": first, "last": last, "points": len(values), "moved_as_expected": moved}
+
+
+def write_metrics(run_dir, cfg, status, trainer=None, started=None, **more):
+    history = list(trainer.state.log_history) if trainer is not None else []
+    losses = [v for v in (_finite(h.get("loss")) for h in history if "loss" in h) if v is not None]
+    summary = next((h for h in reversed(history) if "train_runtime" in h), {})
+    metrics = {
+        "status": status,
+        "method": METHOD,
+        "backend": BACKEND,
+        "run_id": (cfg.get("run") or {}).get("run_id"),
+        "global_step": trainer.state.global_step if trainer is not None else 0,
+        "epoch": trainer.state.epoch if trainer is not None else None,
+        "train_runtime_s": round(time.time() - started, 2) if started else None,
+        "train_loss": _finite(summary.get("train_loss")),
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "signal": learning_signal(cfg, history),
+        "ended_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    metrics.update(more)
+    tmp = Path(run_dir) / ".metrics.json.partial"
+    tmp.write_text(json.dumps(metrics, indent=2, default=str) + "\n")
+    os.replace(tmp, Path(run_dir) / "metrics.json")
+    return metrics
+
+
+def plot_loss(run_dir, cfg):
+    """loss.png from logs/progress.jsonl (and the signal metric beside it when it is not the loss)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[train.py] matplotlib is not installed: no loss.png", flush=True)
+        return
+    records = [json.loads(l) for l in (Path(run_dir) / "logs" / "progress.jsonl").read_text().splitlines() if l.strip()]
+    if not records:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    metric = cfg["signal"]["metric"]
+    if metric != "loss":
+        hist = [json.loads(l) for l in (Path(run_dir) / "logs" / "log_history.jsonl").read_text().splitlines() if l.strip()]
+        points = [(h["step"], h[metric]) for h in hist if metric in h and "loss" in h]
+        if points:
+            ax2 = ax.twinx()
+            ax2.plot([p[0] for p in points], [p[1] for p in points], color="tab:orange", label=metric)
+            ax2.set_ylabel(metric)
+    ax.set_title(f"{(cfg.get('run') or {}).get('run_id') or cfg.get('experiment')} ({METHOD}, {BACKEND})")
+    fig.tight_layout()
+    fig.savefig(Path(run_dir) / "loss.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=f"{METHOD} training ({BACKEND}); writes into the folder holding the config")
+    parser.add_argument("--config", required=True, help="the resolved config.yaml of this run")
+    config_path = Path(parser.parse_args(argv).config).resolve()
+    cfg = load_config(config_path)
+    run_dir = config_path.parent
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "logs"))
+    script = cfg["calls"].get("script", {})
+    telemetry = Telemetry(script.get("telemetry_interval_s", 5.0))
+    trainer, started = None, time.time()
+    try:
+        model, processing, peft_config = load_model(cfg)
+        train_ds, eval_ds = load_datasets(cfg, processing)
+        callbacks = [ProgressLog(run_dir, telemetry), StopOnRequest()]
+        trainer = build_trainer(cfg, run_dir, model, processing, peft_config, train_ds, eval_ds, callbacks)
+        resume = (cfg.get("run") or {}).get("resume_from_checkpoint")
+        if resume and not Path(resume).is_absolute():
+            resume = str(run_dir / resume)
+        print(f"[train.py] {METHOD} x {BACKEND}: {len(train_ds)} training rows; run dir {run_dir}", flush=True)
+        trainer.train(resume_from_checkpoint=resume or None)
+        Stop.training = False
+
+        step = trainer.state.global_step
+        final = run_dir / "checkpoints" / f"checkpoint-{step}"
+        if not final.is_dir():  # the last step was not a save step
+            trainer.save_model(str(final))
+        if not trainer.is_world_process_zero():
+            return EXIT_STOPPED if Stop.requested else 0
+        if Stop.requested:
+            write_metrics(run_dir, cfg, "stopped", trainer, started, checkpoint=str(final.relative_to(run_dir)))
+            print(f"[train.py] stopped at step {step}; checkpoint {final}", flush=True)
+            return EXIT_STOPPED
+
+        evaluation = None
+        if eval_ds is not None and script.get("eval_at_end", True):
+            evaluation = {k: _finite(v) for k, v in trainer.evaluate().items()}
+        digest = copy_adapter(final, run_dir / "adapter")
+        write_metrics(run_dir, cfg, "succeeded", trainer, started, eval=evaluation,
+                      adapter={"path": "adapter", "digest": digest, "from_checkpoint": final.name})
+        plot_loss(run_dir, cfg)
+        print(f"[train.py] done: step {step}, adapter/ digest {digest}", flush=True)
+        return 0
+    except SystemExit:
+        raise
+    except BaseException as e:
+        try:
+            write_metrics(run_dir, cfg, "failed", trainer, started, error=f"{type(e).__name__}: {e}")
+        except Exception:
+            pass
+        raise
+    finally:
+        telemetry.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
