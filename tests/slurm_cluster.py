@@ -119,6 +119,8 @@ KillWait={kill_wait}
 InactiveLimit=0
 NodeName={self.node} NodeAddr=127.0.0.1 {hw} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Accepts jobs and never starts them (Reason=PartitionDown): a job that stays PENDING on demand.
+PartitionName=held Nodes=ALL Default=NO MaxTime=INFINITE State=DOWN
 """
         self.conf.write_text(conf)
         key = b / "munge" / "munge.key"
@@ -149,7 +151,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                               env={**os.environ, **self.env}, timeout=timeout)
 
     def node_state(self) -> str:
-        p = self.client("sinfo", "-h", "-n", self.node, "-o", "%T")
+        p = self.client("sinfo", "-h", "-p", "debug", "-n", self.node, "-o", "%T")
         return p.stdout.strip() if p.returncode == 0 else ""
 
     def start(self, *, min_job_age: int = 300, kill_wait: int = 30, timeout: float = 60) -> "SlurmCluster":
@@ -189,6 +191,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             with contextlib.suppress(Exception):
                 self.cancel_all()
+                # Let the jobs end while slurmd can still report it, or their slurmstepd would linger.
+                deadline = time.monotonic() + 90
+                while time.monotonic() < deadline and self.client("squeue", "-h", "-o", "%i").stdout.strip():
+                    time.sleep(0.5)
         for name in ("slurmd", "slurmctld", "munged"):
             p = self.procs.get(name)
             if p is None or p.poll() is not None:

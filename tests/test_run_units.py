@@ -110,21 +110,23 @@ def test_bad_cursors_are_refused_with_the_fix(pc):
 
 
 def test_nan_inf_and_spike_anomalies(pc):
+    # The spike rule is triage's (dgx-spark-ops failure-signals table), so a poll and a triage agree.
+    k = R.spike_rule(pc).factor
     body = "".join(rec(i, 1.0 + 0.01 * (i % 3)) for i in range(1, 11))
-    body += rec(11, float("nan")) + rec(12, float("inf")) + rec(13, 9.0) + rec(14, 1.0)
+    body += rec(11, float("nan")) + rec(12, float("inf")) + rec(13, 1.5 * k) + rec(14, 1.0) + rec(15, 0.9 * k)
     run_id, _ = make_run(pc, body, exit=DONE)
     r = R.poll_progress(pc, run_id)
     kinds = {(a.kind, a.step) for a in r.anomalies}
     assert kinds == {("nan-loss", 11), ("inf-loss", 12), ("loss-spike", 13)}
     dumped = {x.step: x.model_dump(mode="json")["loss"] for x in r.records}
-    assert dumped[11] is None and dumped[12] is None and dumped[13] == 9.0
+    assert dumped[11] is None and dumped[12] is None and dumped[13] == 1.5 * k
     json.dumps(r.model_dump(mode="json"), allow_nan=False)  # the structured result is strict JSON
 
 
 def test_a_new_server_sees_the_same_records_and_anomalies(pc):
     # The spike sits right after the cursor: a server that has not followed the run must look back for the window.
     body_a = "".join(rec(i, 1.0) for i in range(1, 31))
-    body_b = rec(31, 8.0) + "".join(rec(i, 1.0) for i in range(32, 36))
+    body_b = rec(31, 2.0 * R.spike_rule(pc).factor) + "".join(rec(i, 1.0) for i in range(32, 36))
     run_id, _ = make_run(pc, body_a + body_b, exit=DONE)
     first = R.poll_progress(pc, run_id, limit=30)
     warm = R.poll_progress(pc, run_id, cursor=first.next_cursor)

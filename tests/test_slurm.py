@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import anyio
+import psutil
 import pytest
 import yaml
 
@@ -37,21 +38,29 @@ from finetune_mcp.launchers.slurm import (
     node_local_reason,
     parse_exit_code,
     parse_job_record,
+    submit_env,
 )
 from finetune_mcp.workspace import commit, ensure_repo
 
 REPO = Path(__file__).resolve().parent.parent
 SFT_SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "sft_tiny.py"
-EXP = "finetune-mcp-tiny-SFT-LoRA-repeat-words"
-DATASET = "repeat-words-slurm"
+EXP = "finetune-mcp-tiny-SFT-LoRA-repeat-words"  # opened by prepare_dataset from the sample brief
+FX = "finetune-mcp-tiny-SFT-LoRA-slurm-fixture"  # runs tests/fixtures/scripts/sft_tiny.py
 TERMINAL = ("succeeded", "failed", "stopped")
 
-# Per-tag overrides of configs/base.yaml. step_sleep slows a run down without burning CPU.
-RUNS = {
-    "ok": {"training": {"max_steps": 6}},
+# generate_config overrides per tag of the real experiment (its own train.py).
+FAST = {"gradient_accumulation_steps": 1, "per_device_train_batch_size": 4, "logging_steps": 1}
+CONFIGS = {
+    "ok": {**FAST, "max_steps": 6},
+    "two": {**FAST, "max_steps": 4},
+    "stopme": {**FAST, "max_steps": 2000, "save_steps": 1000},
+    "held": {**FAST, "max_steps": 2},
+    "queued": {**FAST, "max_steps": 2},
+}
+# The fixture experiment's run configs: step_sleep keeps a run alive without using the CPU, and a
+# data file that does not exist makes a run fail the way a lost dataset does.
+FX_RUNS = {
     "timeout": {"training": {"max_steps": 5000}, "fixture": {"step_sleep": 1.0}},
-    "stopme": {"training": {"max_steps": 5000, "save_steps": 1000}, "fixture": {"step_sleep": 0.5}},
-    "two": {"training": {"max_steps": 4}},
     "broken": {"data": {"train_file": "/nonexistent/finetune-mcp/train.jsonl"}},
 }
 
@@ -59,29 +68,37 @@ RUNS = {
 # ---------------------------------------------------------------- the world the server sees
 
 
-def build_world(root: Path, model_dir: Path) -> None:
-    """An experiment as generate_config leaves it: brief, committed configs and train.py, a prepared dataset."""
-    shutil.copytree(model_dir, root / "base-models" / "finetune-mcp-tiny")
-    data = root / "datasets" / DATASET
-    task.write_jsonl(task.sft_conversations(64, seed=0), data / "train.jsonl")
-    exp = root / "experiments" / "trainings" / EXP
+def build_fixture_experiment(root: Path, train_file: Path, env_report: Path) -> None:
+    """A second experiment whose train.py is the fixture script, committed as generate_config would."""
+    exp = root / "experiments" / "trainings" / FX
     (exp / "configs").mkdir(parents=True)
-    ensure_repo(root / "experiments")
     (exp / "training-brief.md").write_text(task.sample_brief("sft-lora"))
+    shutil.copyfile(env_report, exp / "env-report.json")  # the same machine, preflighted a moment ago
     base = {
         "model": {"path": str(root / "base-models" / "finetune-mcp-tiny")},
-        "data": {"train_file": str(data / "train.jsonl")},
+        "data": {"train_file": str(train_file)},
         "training": {"max_steps": 6, "learning_rate": 1e-3, "logging_steps": 1, "save_steps": 10**6,
                      "per_device_train_batch_size": 4, "max_length": 64, "seed": 0, "lora_r": 4},
     }
     (exp / "configs" / "base.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
-    paths = [exp / "training-brief.md", exp / "configs" / "base.yaml", exp / "train.py"]
     shutil.copyfile(SFT_SCRIPT, exp / "train.py")
-    for tag, over in RUNS.items():
+    paths = [exp / "training-brief.md", exp / "configs" / "base.yaml", exp / "train.py"]
+    for tag, over in FX_RUNS.items():
         p = exp / "configs" / f"run-{tag}.yaml"
         p.write_text(yaml.safe_dump(over, sort_keys=False))
         paths.append(p)
-    commit(root / "experiments", paths, "slurm test experiment")
+    commit(root / "experiments", paths, "slurm test fixture experiment")
+
+
+def _walk(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _walk(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _walk(v)
+    else:
+        yield obj
 
 
 async def call(s, tool: str, **args) -> dict:
@@ -119,18 +136,19 @@ class World:
         self.env = {**cluster.env, "DGX_SPARK_ROOT": str(root)}
         self.runs: dict[str, str] = {}
         self.timings: dict[str, float] = {}
+        self.notes: dict[str, str] = {}
 
     def run_dir(self, run_id: str) -> Path:
         exp, rid = run_id.split("/")
         return self.root / "outputs" / "trainings" / exp / rid
 
-    def session(self):
-        return mcp_session("training-engineer", env=self.env)
+    def session(self, **env):
+        return mcp_session("training-engineer", env={**self.env, **env})
 
-    def launch(self, tag: str, **kw) -> dict:
+    def launch(self, tag: str, env: dict | None = None, experiment: str = EXP, **kw) -> dict:
         async def main():
-            async with self.session() as s:
-                return await call(s, "launch_run", experiment=EXP, tag=tag, launcher="slurm", accept_warnings=True, **kw)
+            async with self.session(**(env or {})) as s:
+                return await call(s, "launch_run", experiment=experiment, tag=tag, launcher="slurm", accept_warnings=True, **kw)
 
         r = anyio.run(main)
         self.runs[tag] = r["run_id"]
@@ -139,23 +157,40 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(slurm_cluster, tiny_model_dir, tmp_path_factory):  # noqa: F811
+    """prepare_dataset, preflight and generate_config through the MCP client, as an agent would; then
+    the one-minute time-limit run is submitted first, since Slurm needs a minute and more to end it."""
+    t0 = time.monotonic()
     root = tmp_path_factory.mktemp("slurm-world") / "dgx-spark"
-    root.mkdir()
-    build_world(root, tiny_model_dir)
+    shutil.copytree(tiny_model_dir, root / "base-models" / "finetune-mcp-tiny")
+    inbox = root.parent / "inbox"
+    inbox.mkdir()
+    (inbox / "training-brief.md").write_text(task.sample_brief("sft-lora"))
+    task.write_jsonl(task.sft_conversations(400, seed=0), inbox / "repeat-words.jsonl")
     w = World(root, slurm_cluster)
     w.timings["cluster_start_s"] = slurm_cluster.timings.get("start_s", 0.0)
 
-    async def preflight():
+    async def setup():
         async with w.session() as s:
-            return await call(s, "preflight", experiment=EXP)
+            prep = await call(s, "prepare_dataset", brief_path=str(inbox / "training-brief.md"),
+                              source=str(inbox / "repeat-words.jsonl"))
+            assert prep["experiment"] == EXP and prep["complete"], prep["summary"]
+            pf = await call(s, "preflight", experiment=EXP)
+            assert pf["verdict"] in ("ready", "ready-with-warnings"), pf["summary"]
+            for tag, over in CONFIGS.items():
+                await call(s, "generate_config", experiment=EXP, tag=tag, overrides=over)
+            return prep
 
-    pf = anyio.run(preflight)
-    assert pf["verdict"] in ("ready", "ready-with-warnings"), pf["summary"]
-    # The time-limit run starts first: Slurm's TIMEOUT needs a minute and more of wall time.
+    prep = anyio.run(setup)
+    exp = root / "experiments" / "trainings" / EXP
+    base = yaml.safe_load((exp / "configs" / "base.yaml").read_text())
+    train_file = next(Path(v) for v in _walk(base) if isinstance(v, str) and v.endswith("train.jsonl"))
+    build_fixture_experiment(root, train_file, exp / "env-report.json")
+    w.timings["setup_s"] = time.monotonic() - t0
     w.timings["timeout_launched"] = time.monotonic()
-    w.launch("timeout", time_limit="1")
+    w.launch("timeout", experiment=FX, time_limit="1")
     yield w
     print("\nslurm test timings:", json.dumps({k: round(v, 1) for k, v in w.timings.items() if k.endswith("_s")}))
+    print("slurm test notes:", json.dumps(w.notes, indent=1))
 
 
 # ---------------------------------------------------------------- through the MCP client
@@ -164,7 +199,8 @@ def world(slurm_cluster, tiny_model_dir, tmp_path_factory):  # noqa: F811
 @pytest.mark.slurm
 def test_multi_node_run_refused_on_node_local_output_root(world):
     async def main():
-        async with world.session() as s:
+        # The server's TMPDIR holds OUTPUT_ROOT, as when a run directory is put in the job's scratch space.
+        async with world.session(TMPDIR=str(world.root)) as s:
             r = await s.call_tool("launch_run", {"experiment": EXP, "tag": "ok", "launcher": "slurm", "nodes": 2,
                                                  "accept_warnings": True})
             return r
@@ -172,8 +208,7 @@ def test_multi_node_run_refused_on_node_local_output_root(world):
     r = anyio.run(main)
     text = r.content[0].text
     assert r.is_error
-    # pytest's temp dirs live under /tmp: private to each node of a real cluster.
-    assert "node-local" in text and "OUTPUT_ROOT" in text and "/tmp" in text, text
+    assert "node-local" in text and "OUTPUT_ROOT" in text and "$TMPDIR" in text, text
     assert "shared filesystem" in text
     runs = world.root / "outputs" / "trainings" / EXP
     assert not runs.exists() or not any(p.name.endswith("-ok") for p in runs.iterdir()), "a refused launch left a run dir"
@@ -221,7 +256,7 @@ def test_sft_run_submitted_to_slurm_succeeds_with_records_and_verified_adapter(w
 @pytest.mark.slurm
 def test_failing_run_reads_failed_with_exit_code_and_triages(world):
     t0 = time.monotonic()
-    launched = world.launch("broken")
+    launched = world.launch("broken", experiment=FX)
     run_id = launched["run_id"]
 
     async def main():
@@ -253,22 +288,95 @@ def test_two_process_run_pends_for_resources_then_completes_via_srun_torchrun(wo
     assert "torch.distributed.run" in sb and "--nproc-per-node=2" in sb
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in sb
 
+    ranks: set[int] = set()
+    config = str(R / "config.yaml")
+
+    def watch(r) -> bool:
+        # The trainer processes of this run (not torchrun itself), wherever Slurm started them.
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if "train.py" in cmd and config in cmd and "torch.distributed.run" not in cmd:
+                ranks.add(proc.info["pid"])
+        return r["status"] in TERMINAL
+
     async def main():
         async with world.session() as s:
-            return await poll_until(s, run_id, lambda r: r["status"] in TERMINAL, timeout=600, every=2.0)
+            return await poll_until(s, run_id, watch, timeout=600, every=1.0)
 
     last, records, seen = anyio.run(main)
     # While the time-limit run held a core, two CPUs were not free: the scheduler said why.
     pending = [r for r in seen if r["status"] == "starting" and "PENDING" in (r["detail"] or "")]
+    world.notes["two_process_first_detail"] = seen[0]["detail"]
     if core_held:
-        assert pending and "(Resources)" in pending[0]["detail"], [r["detail"] for r in seen[:5]]
+        assert any("(Resources)" in r["detail"] for r in pending), [r["detail"] for r in seen[:5]]
     assert last["status"] == "succeeded", last
     assert records and records[-1]["step"] == 4
-    log = (R / "logs" / "stdout.log").read_text()
-    assert "rank 0 of 2" in log and "rank 1 of 2" in log, log[-3000:]
+    assert len(ranks) == 2, ranks  # torchrun started two ranks inside the srun step
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # rank 0 alone writes records
     ok, _, _ = verify_folder(R / "adapter")
     assert ok
     world.timings["two_process_s"] = time.monotonic() - t0
+
+
+@pytest.mark.slurm
+def test_held_job_reads_starting_with_the_reason_and_an_outside_scancel_reads_stopped(world):
+    # The test cluster's "held" partition is DOWN: it queues jobs and starts none, so the job stays
+    # PENDING for as long as this test needs.
+    launched = world.launch("held", partition="held")
+    run_id, job_id = launched["run_id"], launched["job_id"]
+    R = world.run_dir(run_id)
+
+    async def first():
+        async with world.session() as s:
+            return await call(s, "poll_progress", run_id=run_id)
+
+    r = anyio.run(first)
+    assert r["status"] == "starting" and r["records"] == [], r
+    assert f"slurm job {job_id} is PENDING" in r["detail"], r
+
+    async def reason():
+        async with world.session() as s:
+            # The scheduler names its reason on its next pass.
+            return await poll_until(s, run_id, lambda r: "(PartitionDown)" in (r["detail"] or ""), timeout=30)
+
+    r, _, _ = anyio.run(reason)
+    assert r["status"] == "starting", r
+    world.notes["held_detail"] = r["detail"]
+    # An administrator (not stop_run) cancels it before it ever ran: no exit.json will come.
+    assert world.cluster.client("scancel", job_id).returncode == 0
+
+    async def then():
+        async with world.session() as s:
+            last, _, _ = await poll_until(s, run_id, lambda r: r["status"] in TERMINAL, timeout=60)
+            return last
+
+    last = anyio.run(then)
+    assert last["status"] == "stopped" and "CANCELLED outside stop_run" in last["detail"], last
+    assert not (R / "exit.json").exists() and not (R / "logs" / "stdout.log").exists()
+    world.runs["held"] = run_id
+
+
+@pytest.mark.slurm
+def test_stop_run_of_a_pending_job_cancels_it_and_it_reads_stopped(world):
+    launched = world.launch("queued", partition="held")
+    run_id, job_id = launched["run_id"], launched["job_id"]
+    R = world.run_dir(run_id)
+
+    async def main():
+        async with world.session() as s:
+            first = await call(s, "poll_progress", run_id=run_id)
+            stop = await call(s, "stop_run", run_id=run_id, grace_seconds=5)
+            last = await call(s, "poll_progress", run_id=run_id)
+            return first, stop, last
+
+    first, stop, last = anyio.run(main)
+    assert first["status"] == "starting", first
+    assert stop["status"] == "stopped" and stop["signal_sent"] == ["scancel (pending)"], stop
+    assert last["status"] == "stopped", last
+    assert world.cluster.job(job_id)["JobState"] == "CANCELLED"
+    ex = json.loads((R / "exit.json").read_text())
+    assert ex["stopped_by"] == "stop_run" and ex["returncode"] is None and "never started" in ex["note"], ex
+    world.runs["queued"] = run_id
 
 
 @pytest.mark.slurm
@@ -323,9 +431,13 @@ def test_time_limit_is_a_failure_triaged_as_environment_not_oom(world):
 def test_status_survives_the_scheduler_forgetting_the_jobs(world):
     """After MinJobAge the controller purges finished jobs; a clean controller restart forgets them the
     same way. Every run must still read its true end from what the job wrote into its run dir."""
-    want = {"ok": "succeeded", "broken": "failed", "two": "succeeded", "stopme": "stopped", "timeout": "failed"}
-    tags = [t for t in want if t in world.runs]
-    assert tags, "no runs to check"
+    want = {"ok": "succeeded", "broken": "failed", "two": "succeeded", "stopme": "stopped", "timeout": "failed",
+            "held": "stopped", "queued": "stopped"}
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    tags = [t for t in want if t in world.runs
+            and world.cluster.job(job_of(world.run_dir(world.runs[t]))).get("JobState") in ended]
+    assert tags, "no ended runs to check"
+    world.notes["forgotten_runs"] = ", ".join(tags)
     world.cluster.restart_controller(clear_state=True)
     for tag in tags:
         assert world.cluster.job(job_of(world.run_dir(world.runs[tag]))) == {}, "the controller still knows the job"
@@ -341,6 +453,10 @@ def test_status_survives_the_scheduler_forgetting_the_jobs(world):
         assert "TIMEOUT" in got["timeout"]["detail"], got["timeout"]
     if "broken" in got:
         assert got["broken"]["exit_code"] == 1
+    if "held" in got:
+        # It never ran, so it wrote nothing: its end comes from the job-completion log (sacct -c).
+        assert "CANCELLED outside stop_run" in got["held"]["detail"] and "sacct -c" in got["held"]["detail"], got["held"]
+    world.notes["after_forgetting"] = json.dumps({t: got[t]["detail"] for t in tags})
 
 
 # ---------------------------------------------------------------- no cluster needed
@@ -411,3 +527,17 @@ def test_bad_slurm_arguments_are_refused_before_anything_is_created(tmp_path):
             SlurmLauncher().check(_spec(tmp_path, **opts))
         assert e.value.where == field
     assert not (tmp_path / "out").exists()
+
+
+def test_submit_env_keeps_site_defaults_but_not_what_the_script_decides(tmp_path):
+    env = {"PATH": "/usr/bin", "SLURM_CONF": "/etc/slurm/x.conf", "SLURM_JOB_ID": "77", "SLURM_CPUS_PER_TASK": "8",
+           "SBATCH_OUTPUT": "/home/me/slurm-%j.out", "SBATCH_EXPORT": "NONE", "SBATCH_QOS": "normal",
+           "SBATCH_PARTITION": "gpu", "SBATCH_ACCOUNT": "proj0"}
+    spec = RunSpec(run_ref=f"{EXP}/20260101-0000-t", run_dir=tmp_path, python="python", env=env,
+                   options={"account": "proj1"})
+    got, kept = submit_env(spec)
+    # The server's own allocation (if it runs inside one) must not leak into the new job.
+    assert "SLURM_JOB_ID" not in got and "SLURM_CPUS_PER_TASK" not in got and got["SLURM_CONF"] == "/etc/slurm/x.conf"
+    # The log location and the environment export are the script's; an explicit account beats the default.
+    assert "SBATCH_OUTPUT" not in got and "SBATCH_EXPORT" not in got and "SBATCH_ACCOUNT" not in got
+    assert kept == {"SBATCH_PARTITION": "gpu", "SBATCH_QOS": "normal"}

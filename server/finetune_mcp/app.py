@@ -165,13 +165,19 @@ def build_server(role: str, ws: Workspace | None = None, data_dirs: list[Path] |
     @tool("poll_progress", RO, "Poll a run's progress")
     async def poll_progress(
         run_id: Annotated[str, Field(description="<experiment>/<YYYYMMDD-HHMM-tag>")],
-        cursor: Annotated[int, Field(ge=0, description="next_cursor of the previous call; 0 from the start")] = 0,
+        cursor: Annotated[int, Field(ge=0, description="next_cursor of the previous call, unchanged; 0 from the start")] = 0,
         limit: Annotated[int, Field(ge=1, le=5000)] = 200,
         plot: Annotated[bool, Field(description="also return the loss curve as a PNG image")] = False,
         ctx: Context = None,
     ) -> Annotated[CallToolResult, S.PollResult]:
         """Records since the cursor, each exactly {step, loss, lr, mem_gb, temp_c}; the run status with exit
-        code or signal; anomalies (NaN/inf loss, spikes, stalls); and the next cursor."""
+        code or signal; anomalies (NaN/inf loss, spikes, stalls); and the next cursor.
+
+        The cursor is a byte offset into the run's record log (logs/progress.jsonl; logs/stdout.log for a
+        script without our progress callback), always at a line boundary: a poll reads only what was written
+        after it, and the same cursor gives the same records from any server, also after a restart. Keep
+        polling with next_cursor; `more` says records are waiting past `limit`. A client that sends a
+        progress token gets a notification with the latest step and loss."""
         return await call_phase(pc, ctx, "poll_progress", _phase("run", "poll_progress"), run_id=run_id, cursor=cursor, limit=limit, plot=plot)
 
     @tool("stop_run", _ann(destructive=True, idempotent=True), "Stop a run cleanly")

@@ -6,6 +6,7 @@ sections (skill#anchor) whose facts the tool applied. Sections are owned per too
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -56,6 +57,29 @@ class PrepareDatasetResult(Result):
     files: list[str] = Field(default_factory=list)
     checklist: list[ChecklistItem] = Field(default_factory=list)
     complete: bool
+
+    def text(self) -> str:
+        lines = [self.summary, "", f"Experiment: {self.experiment_dir}"]
+        if self.dataset_dir:
+            lines.append(f"Dataset: {self.dataset_dir}")
+        lines += ["", "Phase 2 exit checklist:"]
+        lines += [f"  [{'x' if c.ok else ' '}] {c.item}\n        {c.evidence}" for c in self.checklist]
+        errors = [p for p in self.problems if p.severity == "error"]
+        warnings = [p for p in self.problems if p.severity == "warning"]
+        for label, group in (("Errors", errors), ("Warnings", warnings)):
+            if group:
+                lines += ["", f"{label} ({len(group)} listed):"]
+                for p in group[:15]:
+                    where = ":".join(str(x) for x in (p.file.rsplit("/", 1)[-1] if p.file else None, p.line) if x is not None)
+                    lines.append(f"  - {p.code} {where}{' [' + p.field + ']' if p.field else ''}: {p.message}")
+                if len(group) > 15:
+                    lines.append(f"  ... {len(group) - 15} more in data/validation-report.md")
+        if self.decoded_samples:
+            lines += ["", f"First of {len(self.decoded_samples)} decoded samples (all in data/validation-report.md; "
+                      "trained tokens in ⟦ ⟧):", self.decoded_samples[0]]
+        if self.citations:
+            lines += ["", "Applied: " + ", ".join(self.citations)]
+        return "\n".join(lines)
 
 
 # --- preflight ---------------------------------------------------------------------------
@@ -177,6 +201,18 @@ class PollResult(Result):
     cursor: int
     next_cursor: int
     more: bool = Field(default=False, description="true when more records are waiting past `limit`")
+
+    def text(self) -> str:
+        # The records one JSON line each, in the seed's exact shape, so a reader can copy them as they are.
+        lines = [self.summary]
+        if self.detail:
+            lines.append(self.detail)
+        lines += [json.dumps(r.model_dump(mode="json")) for r in self.records]
+        if not self.records and self.last is not None:
+            lines.append("last: " + json.dumps(self.last.model_dump(mode="json")))
+        lines += [f"anomaly {a.kind}" + (f" at step {a.step}" if a.step is not None else "") + f": {a.message}" for a in self.anomalies]
+        lines.append(f"next_cursor: {self.next_cursor}" + (" (more records waiting: poll again now)" if self.more else ""))
+        return "\n".join(lines)
 
 
 class StopResult(Result):

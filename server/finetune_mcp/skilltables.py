@@ -82,6 +82,7 @@ class DcShareRule(Strict):
 @table("dataset-curation", "validation")
 class DcValidationTable(Strict):
     always_fail: dict[str, str] = Field(description="problem code -> why one occurrence fails the phase")
+    warn_only: dict[str, str] = Field(default_factory=dict, description="problem code -> why it is reported but never fails")
     share_rules: dict[str, DcShareRule]
     min_examples: int = Field(ge=1)
     min_eval_examples: int = Field(ge=0)
@@ -528,3 +529,70 @@ TABLES[("grpo-rlvr-training", "rewards")] = RewardsTable
 
 
 # --- quantized-export ---
+
+from pydantic import model_validator as _qe_model_validator  # noqa: E402  (section-local import)
+
+_EXPORT_FORMATS = ("lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m")
+_EXPORT_RUNTIMES = ("transformers", "vllm", "llama.cpp", "ollama")
+
+
+class ExportFormat(Strict):
+    id: Literal["lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"]
+    posture: Literal["lora", "merged"] = Field(description="adapter kept apart, or merged into the base weights")
+    container: Literal["safetensors", "gguf"]
+    lossless: bool = Field(description="true: the smoke test demands identical greedy outputs")
+    min_similarity: float | None = Field(default=None, ge=0.0, le=1.0, description="lossy formats: per-golden similarity floor")
+    bits_per_weight: float | None = Field(default=None, gt=0)
+    llama_ftype: str | None = Field(default=None, description="llama.cpp file type name for llama_model_quantize")
+    trade_off: str
+    cite: str = Field(description="SKILL.md anchor of the prose behind this row")
+
+    @_qe_model_validator(mode="after")
+    def _threshold(self):
+        if not self.lossless and self.min_similarity is None:
+            raise ValueError(f"{self.id}: a lossy format needs min_similarity")
+        if self.lossless and self.min_similarity is not None:
+            raise ValueError(f"{self.id}: a lossless format is judged by identity, not min_similarity")
+        if (self.container == "gguf") != self.id.startswith("gguf-"):
+            raise ValueError(f"{self.id}: container does not fit the id")
+        return self
+
+
+class ExportRuntime(Strict):
+    id: Literal["transformers", "vllm", "llama.cpp", "ollama"]
+    formats: list[Literal["lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"]] = Field(min_length=1)
+    default_format: Literal["lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"]
+    smoke_runtime: Literal["transformers", "vllm", "llama.cpp"]
+    needs_gpu: bool
+    modelfile: bool = Field(default=False, description="write an Ollama Modelfile beside the GGUF")
+    note: str
+    cite: str
+
+    @_qe_model_validator(mode="after")
+    def _default_listed(self):
+        if self.default_format not in self.formats:
+            raise ValueError(f"{self.id}: default_format {self.default_format!r} is not among its formats")
+        return self
+
+
+@table("quantized-export", "format-map")
+class FormatMap(Strict):
+    runtimes: list[ExportRuntime]
+    formats: list[ExportFormat]
+    sources: list[str] = Field(min_length=1)
+
+    @_qe_model_validator(mode="after")
+    def _complete(self):
+        rt = [r.id for r in self.runtimes]
+        fm = [f.id for f in self.formats]
+        if sorted(rt) != sorted(_EXPORT_RUNTIMES) or len(set(rt)) != len(rt):
+            raise ValueError(f"runtimes must list each of {', '.join(_EXPORT_RUNTIMES)} once")
+        if sorted(fm) != sorted(_EXPORT_FORMATS) or len(set(fm)) != len(fm):
+            raise ValueError(f"formats must list each of {', '.join(_EXPORT_FORMATS)} once")
+        return self
+
+    def runtime(self, rid: str) -> ExportRuntime:
+        return next(r for r in self.runtimes if r.id == rid)
+
+    def format(self, fid: str) -> ExportFormat:
+        return next(f for f in self.formats if f.id == fid)

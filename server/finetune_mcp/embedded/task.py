@@ -240,8 +240,8 @@ def write_jsonl(rows: Iterable[Row], path: str | os.PathLike) -> Path:
 
 # Per canonical method: the name the brief shows, the dataset format, examples, packing.
 _BRIEF_METHODS = {
-    "sft-lora": ("SFT-LoRA", "messages", 4000, True),
-    "sft-qlora": ("SFT-QLoRA", "messages", 4000, True),
+    "sft-lora": ("SFT-LoRA", "messages", 2000, True),
+    "sft-qlora": ("SFT-QLoRA", "messages", 2000, True),
     "dpo": ("DPO", "preference", 1000, False),
     "orpo": ("ORPO", "preference", 1000, False),
     "kto": ("KTO", "kto", 1000, False),

@@ -60,6 +60,10 @@ class Sink:
     def errors(self) -> int:
         return sum(c["error"] for c in self.counts.values())
 
+    def counts_of(self, code: str) -> int:
+        c = self.counts.get(code)
+        return c["error"] if c else 0
+
     def records_with(self, code: str) -> int:
         c = self.counts.get(code)
         return (c["error"] + c["warning"]) if c else 0
@@ -629,6 +633,15 @@ class _V:
             self.err("roles-order", "the prompt ends with an assistant turn; that answer belongs in the completion", f"{fld}[{len(roles) - 1}].role")
 
 
+MAIN_FIELDS = {"messages": "messages", "vision": "messages", "prompt-completion": "prompt/completion",
+               "preference": "prompt/chosen/rejected", "kto": "prompt/completion/label", "grpo": "prompt"}
+
+
+def main_field(fmt: str) -> str:
+    """The column(s) a whole-record problem (a duplicate, a length) is about."""
+    return MAIN_FIELDS.get(fmt, "record")
+
+
 def _type(v: Any) -> str:
     return {dict: "an object", list: "a list", str: "text", bool: "a boolean", int: "a number", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
@@ -657,6 +670,14 @@ def check_records(
     refs = formats["reference_fields"]
     roles = formats["roles"]
     role_map = next((c["role_map"] for c in formats["conversions"] if c["id"] == "sharegpt-to-messages"), {})
+    if not any(isinstance(r, dict) for r in raw.rows):
+        # Nothing readable to judge the shape by: report what was wrong with the lines (or that there were none).
+        fmt = next(n for n, spec in formats["formats"].items() if method in spec["methods"])
+        for idx, (row, (f, line)) in enumerate(zip(raw.rows, raw.origins)):
+            sink.error("not-an-object", f"record is {_type(row)}, not an object with the format's columns", file=f, line=line, record=idx)
+        if not raw.rows and not sink.errors:
+            sink.error("empty-field", "the source holds no records", file=raw.files[0] if raw.files else None)
+        return Checked([], [], "unknown", fmt, None, len(raw.rows), {"exact-duplicate": 0}, None, sink, extra={})
     shape = detect_shape(raw.rows, refs)
     fmt, conversion = plan_format(shape, method, formats)
     spec = formats["formats"][fmt]
@@ -664,11 +685,13 @@ def check_records(
 
     records: list[dict] = []
     origins: list[tuple[str, int | None, int]] = []
+    keys: list[str] = []
     seen: dict[str, tuple[str, int | None, int]] = {}
     dropped = {"exact-duplicate": 0}
     ref_field: str | None = None
     labels = {True: 0, False: 0}
 
+    dup_where: list[str] = []
     for idx, (row, (f, line)) in enumerate(zip(raw.rows, raw.origins)):
         at = {"file": f, "line": line, "record": idx}
         if not isinstance(row, dict):
@@ -684,7 +707,8 @@ def check_records(
             row = _extract_prompt(row, at, sink)
         if row is None:
             continue
-        outs = _validate(row, fmt, at, sink, roles, refs, raw, path_ok)
+        # Pairs bound for KTO are checked as the pairs they are, then unpaired.
+        outs = _validate(row, "preference" if conversion == "preference-to-kto" else fmt, at, sink, roles, refs, raw, path_ok)
         if outs is None:
             continue
         row, rf = outs
@@ -702,14 +726,16 @@ def check_records(
                 rec = {k: v for k, v in rec.items() if k in keep_cols}
             if fmt == "kto":
                 labels[rec["label"]] += 1
-            key = json.dumps(rec, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+            key = record_key(rec)
             first = seen.get(key)
             if first is not None:
                 dropped["exact-duplicate"] += 1
+                dup_where.append(f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}")
                 sink.warn("exact-duplicate", f"same record as line {first[1]}" if first[1] else f"same record as record {first[2]}",
-                          **at)
+                          field=main_field(fmt), **at)
                 continue
             seen[key] = (f, line, idx)
+            keys.append(key)
             records.append(rec)
             origins.append((f, line, idx))
 
@@ -719,15 +745,15 @@ def check_records(
     rule = rules["exact-duplicate"]
     share = dropped["exact-duplicate"] / max(n_read, 1)
     if dropped["exact-duplicate"] and share > rule["fail_above"]:
-        sink.error("exact-duplicate", f"{dropped['exact-duplicate']} of {n_read} records ({share:.1%}) are exact duplicates, "
-                   f"above the {rule['fail_above']:.0%} the skill allows")
+        sink.error("exact-duplicate", field=main_field(fmt), message=f"{dropped['exact-duplicate']} of {n_read} records ({share:.1%}) are exact duplicates, "
+                   f"above the {rule['fail_above']:.0%} the skill allows ({', '.join(dup_where[:8])}{' and more' if len(dup_where) > 8 else ''})")
     if fmt == "kto" and records and (labels[True] == 0 or labels[False] == 0):
         only = "desirable (true)" if labels[True] else "undesirable (false)"
         sink.warn("one-sided-labels", f"every label is {only}; KTO then pushes in one direction only", field="label")
     if not raw.rows and not sink.errors:
         sink.error("empty-field", "the source holds no records", file=raw.files[0] if raw.files else None)
     return Checked(records, origins, shape, fmt, conversion, n_read, dropped, ref_field, sink,
-                   extra={"labels": labels if fmt == "kto" else None})
+                   extra={"labels": labels if fmt == "kto" else None, "keys": keys})
 
 
 def _validate(row: dict, fmt: str, at: dict, sink: Sink, roles: list[str], refs: list[str], raw: Raw,
@@ -898,4 +924,5 @@ def split_key(rec_key: str, seed: int) -> float:
 
 
 def record_key(rec: dict) -> str:
-    return json.dumps(rec, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """Canonical JSON of a record: equal keys are exact duplicates; the split hash is taken over it."""
+    return json.dumps(rec, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)

@@ -30,6 +30,8 @@ MODEL_NAME = "finetune-mcp-tiny"
 # Bump when anything below changes what gets written: an older build is then replaced.
 BUILDER_VERSION = 1
 STAMP_NAME = "finetune-mcp-build.json"
+# Not __name__: that is "__main__" when the module runs as a job.
+BUILDER = "finetune_mcp.jobs.build_tiny_model"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -175,7 +177,7 @@ def _digests(folder: Path) -> dict[str, str]:
 
 
 def _stamp_for(seed: int) -> dict[str, Any]:
-    return {"builder": __name__, "model": MODEL_NAME, "builder_version": BUILDER_VERSION, "seed": seed}
+    return {"builder": BUILDER, "model": MODEL_NAME, "builder_version": BUILDER_VERSION, "seed": seed}
 
 
 def read_stamp(folder: Path) -> dict[str, Any] | None:
@@ -222,7 +224,7 @@ def build(target_dir: str | os.PathLike | None = None, seed: int = 0, progress: 
         if is_current(target, seed):
             return _result(target, built=False)
         stamp = read_stamp(target)
-        if not stamp or stamp.get("builder") != __name__:
+        if not stamp or stamp.get("builder") != BUILDER:
             raise JobError(
                 f"{target} exists and was not written by the finetune-mcp-tiny builder",
                 kind="Refused",

@@ -42,7 +42,13 @@ def _progress(done: float, message: str, total: float = STAGES) -> None:
 def load_rows(src: dict, per_code: int) -> tuple[R.Raw, R.Sink]:
     """Rows from any supported source. src: {"kind": "path", "path": ...} or {"kind": "hf", "id": ...}."""
     if src["kind"] == "hf":
-        return _load_hf(src["id"], src.get("split")), R.Sink(per_code)
+        try:
+            return _load_hf(src["id"], src.get("split")), R.Sink(per_code)
+        except JobError:
+            # Files fetched into the hub cache (snapshot_download) but never built by datasets: read them as a folder.
+            if src.get("snapshot"):
+                return load_rows({"kind": "path", "path": src["snapshot"]}, per_code)
+            raise
     path = Path(src["path"])
     kind, files, ignored = R.source_files(path)
     if kind == "text":
@@ -258,15 +264,18 @@ def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int
     hashes: list[int] = []
     offsets: list[int] = []
     empty = np.zeros(n, dtype=bool)
+    sets: list[frozenset] = []
     for i, t in enumerate(texts):
         w = R.words(t)
         offsets.append(len(hashes))
         if not w:
             empty[i] = True
             hashes.append(zlib.crc32(f"\x00empty{i}".encode()))
+            sets.append(frozenset())
             continue
-        sh = {" ".join(w[j:j + k]) for j in range(max(1, len(w) - k + 1))}
-        hashes.extend(zlib.crc32(s.encode("utf-8", "surrogatepass")) for s in sh)
+        sh = frozenset(zlib.crc32(" ".join(w[j:j + k]).encode("utf-8", "surrogatepass")) for j in range(max(1, len(w) - k + 1)))
+        sets.append(sh)
+        hashes.extend(sh)
     if n == 0:
         return [], 0
     x = np.asarray(hashes, dtype=np.uint64)
@@ -283,31 +292,49 @@ def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int
     bands = mh["bands"]
     rows = perm // bands
     thr = mh["jaccard"]
-    match: list[int | None] = [None] * n
-    checked = 0
+    # Candidates: records that share all rows of some band. Within a bucket each record is compared with
+    # the (up to 16) records before it, so a huge bucket (a collapsed set) stays cheap.
+    ii, jj = [], []
     for bi in range(bands):
         block = np.ascontiguousarray(sig[bi * rows:(bi + 1) * rows].T)
         keys = block.view(np.dtype((np.void, block.dtype.itemsize * rows))).ravel()
-        _, inv, counts = np.unique(keys, return_inverse=True, return_counts=True)
-        if counts.max(initial=1) < 2:
-            continue
-        groups: dict[int, list[int]] = {}
-        for i in np.flatnonzero(counts[inv] > 1):
-            groups.setdefault(int(inv[i]), []).append(int(i))
-        for members in groups.values():
-            members.sort()
-            for pos, j in enumerate(members[1:], start=1):
-                if match[j] is not None or empty[j]:
-                    continue
-                # Compare with earlier members; cap the work in huge buckets (a collapsed set).
-                for i in members[:min(pos, 16)]:
-                    if empty[i]:
-                        continue
-                    checked += 1
-                    if float(np.mean(sig[:, i] == sig[:, j])) >= thr:
-                        match[j] = i
-                        break
-    return match, checked
+        _, inv = np.unique(keys, return_inverse=True)
+        order = np.argsort(inv, kind="stable")
+        sinv = inv[order]
+        first = np.r_[True, sinv[1:] != sinv[:-1]]
+        start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        pos = np.arange(n) - start
+        for d in range(1, 17):
+            ok = pos >= d
+            if not ok.any():
+                break
+            ii.append(order[np.flatnonzero(ok) - d])
+            jj.append(order[ok])
+    match: list[int | None] = [None] * n
+    if not ii:
+        return match, 0
+    i_all = np.concatenate(ii)
+    j_all = np.concatenate(jj)
+    lo, hi = np.minimum(i_all, j_all), np.maximum(i_all, j_all)
+    pair = np.unique(lo.astype(np.int64) * n + hi)
+    lo, hi = pair // n, pair % n
+    keep = ~(empty[lo] | empty[hi])
+    lo, hi = lo[keep], hi[keep]
+    sim = np.empty(len(lo))
+    for c0 in range(0, len(lo), 65536):
+        sim[c0:c0 + 65536] = (sig[:, lo[c0:c0 + 65536]] == sig[:, hi[c0:c0 + 65536]]).mean(axis=0)
+    # The estimate only shortlists; the exact Jaccard of the shingle sets decides, so estimation noise on
+    # thousands of pairs cannot invent near copies.
+    cand = np.flatnonzero(sim >= thr - 0.2)
+    hit = np.zeros(len(lo), dtype=bool)
+    for c in cand:
+        a_set, b_set = sets[lo[c]], sets[hi[c]]
+        hit[c] = len(a_set & b_set) >= thr * len(a_set | b_set)
+    best = np.full(n, n, dtype=np.int64)
+    np.minimum.at(best, hi[hit], lo[hit])
+    for j in np.flatnonzero(best < n):
+        match[int(j)] = int(best[j])
+    return match, int(len(lo))
 
 
 def collapse_metrics(trained: list[str], near_share: float, table: dict, seed: int) -> dict:
@@ -361,7 +388,7 @@ def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink) -> d
         elif all(bounds.get(k) is None for k in ("fail_below", "fail_above", "warn_below", "warn_above")):
             verdict = "info"
         if name == "top-opening-share" and msg:
-            msg += f" (most common opening: {values['_top_opening']!r})"
+            msg += f" (most common opening: {values['_top_opening']!r}, e.g. {values.get('_top_where')})"
         if verdict == "fail" and gated:
             verdict = "warn"
             msg += f"; not failing: fewer than {table['min_records']} records"
@@ -385,6 +412,10 @@ def _stats(xs: list[int]) -> dict:
         return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
 
     return {"min": s[0], "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": s[-1], "mean": round(statistics.fmean(s), 2)}
+
+
+def _some(locs: list[str], n: int = 8) -> str:
+    return ", ".join(locs[:n]) + (f" and {len(locs) - n} more" if len(locs) > n else "")
 
 
 def _where(origins, i) -> dict:
@@ -439,21 +470,26 @@ def prepare(P: dict) -> dict:
         return i
 
     n_near = 0
+    near_where: list[str] = []
     for j, i in enumerate(match):
         if i is not None:
             n_near += 1
+            near_where.append(_loc(origins, j))
             parent[root(j)] = root(i)
-            sink.warn("near-duplicate", f"near copy of {_loc(origins, i)} (record {origins[i][2]})", **_where(origins, j))
+            sink.warn("near-duplicate", f"near copy of {_loc(origins, i)} (record {origins[i][2]})", **_where(origins, j), field=R.main_field(fmt))
     near_share = n_near / max(len(records), 1)
     rule = validation["share_rules"]["near-duplicate"]
     if near_share > rule["fail_above"]:
-        sink.error("near-duplicate", f"{n_near} of {len(records)} records ({near_share:.1%}) are near copies, above the {rule['fail_above']:.0%} the skill allows")
+        sink.error("near-duplicate", field=R.main_field(fmt), message=f"{n_near} of {len(records)} records ({near_share:.1%}) are near copies, above the {rule['fail_above']:.0%} the skill allows ({_some(near_where)})")
     trained_txt = ["\n".join(R.trained_texts(r, fmt, checked.reference_field)) for r in records]
     cvals = collapse_metrics(trained_txt, near_share, collapse, seed)
+    top = cvals["_top_opening"]
+    cvals["_top_where"] = _some([_loc(origins, i) for i, t in enumerate(trained_txt)
+                                 if top and " ".join(R.words(t)[: collapse["opening_words"]]) == top], 5)
     cverdicts = judge_collapse(cvals, collapse, len(records), sink)
 
     # Split by content hash of each cluster's first record.
-    keys = [R.record_key(r) for r in records]
+    keys = checked.extra.get("keys") or [R.record_key(r) for r in records]
     frac = float(P.get("eval_fraction", 0.05))
     score = [R.split_key(keys[root(i)], seed) for i in range(len(records))]
     is_eval = [s < frac for s in score]
@@ -486,11 +522,11 @@ def prepare(P: dict) -> dict:
             seqs.append([])
         if i % tick == tick - 1:
             _progress(3 + (i + 1) / len(records), f"templated {i + 1}/{len(records)}")
-    if sink.errors:
-        return {"ok": False, "stage": "templating", **base, **sink.to_dict()}
+    template_errors = sink.counts_of("chat-template")
 
     lengths, trained_counts, over, cut = [], [], 0, 0
     over_by: list[int] = []
+    over_where: list[str] = []
     for i, parts in enumerate(seqs):
         rec_over = 0
         for part, ids, labels in parts:
@@ -514,12 +550,14 @@ def prepare(P: dict) -> dict:
             over += 1
             cut += rec_over
             over_by.append(rec_over)
-            sink.warn("too-long", f"{rec_over} tokens past max_seq_length {seq_len} would be cut", **_where(origins, i))
+            over_where.append(_loc(origins, i))
+            sink.warn("too-long", f"{rec_over} tokens past max_seq_length {seq_len} would be cut", **_where(origins, i),
+                      field=R.main_field(fmt))
     rule = validation["share_rules"]["too-long"]
     over_share = over / max(len(records), 1)
     if over and over_share > rule["fail_above"]:
-        sink.error("too-long", f"{over} of {len(records)} records ({over_share:.1%}) exceed max_seq_length {seq_len}, "
-                   f"above the {rule['fail_above']:.0%} the skill allows; raise max_seq_length in the brief or shorten the records")
+        sink.error("too-long", field=R.main_field(fmt), message=f"{over} of {len(records)} records ({over_share:.1%}) exceed max_seq_length {seq_len}, "
+                   f"above the {rule['fail_above']:.0%} the skill allows ({_some(over_where)}); raise max_seq_length in the brief or shorten the records")
     if tp.stop_token_trained is False:
         sink.warn("stop-token", "the chat template leaves the assistant's end-of-turn token outside the loss mask; the model may not learn to stop",
                   field="chat_template")
@@ -544,7 +582,8 @@ def prepare(P: dict) -> dict:
               "near_duplicates": {"records": n_near, "share": round(near_share, 4), "clusters_in_one_split": True}}
     result["counts"].update(train=len(train_idx), eval=len(eval_idx))
     if sink.errors:
-        return {"ok": False, "stage": "checks", **result, **sink.to_dict()}
+        stage = "templating" if template_errors else "checks"
+        return {"ok": False, "stage": stage, **result, **sink.to_dict()}
 
     # Pack the training split exactly as SFTTrainer does, then decode from what the collator hands the model.
     dec = validation["decoded_samples"]
@@ -782,4 +821,12 @@ def _job(params: dict) -> dict:
 
 
 if __name__ == "__main__":
-    _proto.run_main(_job)
+    code = 0
+    try:
+        _proto.run_main(_job)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    # The result line is flushed; skip the interpreter's slow teardown of torch and friends.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

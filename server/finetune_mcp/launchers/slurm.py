@@ -26,6 +26,7 @@ from typing import Any
 
 from finetune_mcp.errors import BadInput, JobFailed, Refused
 from finetune_mcp.launchers.base import STOP_MARKER, WRAPPER_NAME, _WRAPPER_SRC, Launcher, RunSpec, Tick, _wait
+from finetune_mcp.workspace import utc_now
 
 SBATCH_NAME = "slurm.sbatch"
 END_RECORD = "logs/slurm-job.txt"  # the scheduler's view of the job, saved by the batch script as it ends
@@ -233,6 +234,24 @@ def _sh(arg: str) -> str:
     return shlex.quote(arg)
 
 
+# sbatch reads SBATCH_<OPTION> variables and lets them outrank #SBATCH lines. These would move the
+# job's log out of the run directory or undo what the script asks for, so they are dropped; the
+# others (SBATCH_QOS, SBATCH_RESERVATION, SBATCH_CONSTRAINT ...) are a site's defaults and stay.
+_SBATCH_OWNED = ("SBATCH_OUTPUT", "SBATCH_ERROR", "SBATCH_OPEN_MODE", "SBATCH_EXPORT", "SBATCH_JOB_NAME",
+                 "SBATCH_REQUEUE", "SBATCH_NO_REQUEUE", "SBATCH_INPUT", "SBATCH_WAIT", "SBATCH_ARRAY_INX")
+_SBATCH_BY_OPTION = {"partition": "SBATCH_PARTITION", "time_limit": "SBATCH_TIMELIMIT", "account": "SBATCH_ACCOUNT",
+                     "gpus_per_node": "SBATCH_GPUS_PER_NODE"}
+
+
+def submit_env(spec: RunSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment sbatch runs with, and the SBATCH_* site defaults it still carries (for run.json)."""
+    env = client_env(dict(spec.env) or None)
+    o = _options(spec)
+    drop = set(_SBATCH_OWNED) | {var for key, var in _SBATCH_BY_OPTION.items() if o.get(key)}
+    env = {k: v for k, v in env.items() if k not in drop}
+    return env, {k: v for k, v in sorted(env.items()) if k.startswith("SBATCH_")}
+
+
 class SlurmLauncher(Launcher):
     name = "slurm"
 
@@ -288,8 +307,11 @@ class SlurmLauncher(Launcher):
         # One srun task per node, each a torchrun that starts that node's ranks; the c10d rendezvous
         # on the first host of the allocation numbers them. --kill-on-bad-exit: a rank that dies
         # (OOM on one node) ends the whole step instead of leaving the others hung in a collective.
+        # Since Slurm 22.05 srun does not inherit the job's --cpus-per-task: ask again, or both CPU
+        # ranks of a node would share one core.
+        cpus = [] if o["gpus_per_node"] else [f"--cpus-per-task={ppn}"]
         return [
-            "srun", "--kill-on-bad-exit=1", f"--nodes={o['nodes']}", f"--ntasks={o['nodes']}", "--ntasks-per-node=1",
+            "srun", "--kill-on-bad-exit=1", f"--nodes={o['nodes']}", f"--ntasks={o['nodes']}", "--ntasks-per-node=1", *cpus,
             spec.python, "-m", "torch.distributed.run",
             f"--nnodes={o['nodes']}", f"--nproc-per-node={ppn}",
             "--rdzv-backend=c10d", "--rdzv-endpoint=${MASTER_ADDR}:${MASTER_PORT}", "--rdzv-id=${SLURM_JOB_ID}",
@@ -305,7 +327,7 @@ class SlurmLauncher(Launcher):
         job_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.run_ref)[-100:]
         lines = [
             "#!/bin/bash",
-            f"# finetune-mcp run {spec.run_ref}: the batch job launch_run submitted with `sbatch --parsable {SBATCH_NAME}`.",
+            f"# finetune-mcp run {spec.run_ref}: the batch job launch_run submitted with `sbatch --parsable --export=ALL {SBATCH_NAME}`.",
             "# Kept with the run, like train.py, so the exact job can be read (and resubmitted) later.",
             f"#SBATCH --job-name=ftmcp-{job_name}",
             f"#SBATCH --chdir={R}",
@@ -367,8 +389,11 @@ class SlurmLauncher(Launcher):
         shutil.copyfile(_WRAPPER_SRC, R / WRAPPER_NAME)
         script = R / SBATCH_NAME
         _atomic_write(script, self.render_script(spec), 0o755)
-        argv = ["sbatch", "--parsable", str(script)]
-        p = _run(argv, dict(spec.env) or None, timeout=60)
+        # --export=ALL on the command line: the job gets the run's environment (as a local run does)
+        # even where a site sets SBATCH_EXPORT=NONE, which would outrank the script's own lines.
+        argv = ["sbatch", "--parsable", "--export=ALL", str(script)]
+        env, kept = submit_env(spec)
+        p = _run(argv, env, timeout=60)
         # --parsable prints "jobid" or "jobid;cluster".
         m = re.match(r"^\s*(\d+)(?:;(\S+))?\s*$", p.stdout or "")
         if p.returncode != 0 or not m:
@@ -380,7 +405,8 @@ class SlurmLauncher(Launcher):
         with open(R / "logs" / "supervisor.log", "a") as f:
             f.write(f"submitted {shlex.join(argv)} -> job {job_id}\n")
         return {"pid": None, "pgid": None, "start_time": None, "command": self.render(spec),
-                "submit": argv, "job_id": job_id, "cluster": cluster, "sbatch": str(script), **_options(spec)}
+                "submit": argv, "sbatch_env": kept, "job_id": job_id, "cluster": cluster, "sbatch": str(script),
+                **_options(spec)}
 
     # -- status --
 
@@ -415,7 +441,9 @@ class SlurmLauncher(Launcher):
             if stop_asked:
                 return {**out, "status": "stopped", "detail": f"stop requested while job {job_id} was {state}{why}"}
             return {**out, "status": "starting", "detail": f"slurm job {job_id} is {state}{why}"}
-        if known == "known" and state in RUNNING_STATES and not (state == "COMPLETING" and exit_info):
+        # COMPLETING: the script has ended but the scheduler has not settled the end state yet (a
+        # moment); only a time limit is already final then.
+        if known == "known" and state in RUNNING_STATES and not (state == "COMPLETING" and reason == "TimeLimit"):
             extra = f"; {reason}" if reason and reason not in ("None", "") else ""
             return {**out, "status": "running", "detail": f"slurm job {job_id} is {state} on {rec.get('NodeList') or '?'}{extra}"}
         if known == "unreachable" and exit_info is None:
@@ -468,16 +496,22 @@ class SlurmLauncher(Launcher):
             return []
         if known == "known" and state in STARTING_STATES:
             self._scancel([job_id])
-            _wait(lambda: query_job(job_id)[1].get("JobState", "CANCELLED").startswith("CANCELLED"), 15.0, tick,
-                  "waiting for the scheduler to cancel the pending job")
+            _wait(lambda: not self._running(job_id), 15.0, tick, "waiting for the scheduler to cancel the pending job")
+            if not (run_dir / "exit.json").exists():
+                # The trainer never started, so no supervisor will record an exit: say so here.
+                _atomic_write(run_dir / "exit.json", json.dumps({
+                    "returncode": None, "signal": None, "ended_at": utc_now(), "stopped_by": "stop_run", "pid": None,
+                    "wrapper_pid": None, "note": f"slurm job {job_id} was cancelled while {state}; the trainer never started"},
+                    indent=2) + "\n", 0o644)
             return ["scancel (pending)"]
         sent = []
         if self._scancel(["--signal=TERM", "--full", job_id], allow_fail=True):
             sent.append("SIGTERM")
         if _wait(lambda: not self._running(job_id), grace, tick, "waiting for the trainer to save and exit"):
             return sent
+        # scancel proper: the scheduler's own SIGTERM, then SIGKILL after the cluster's KillWait.
         self._scancel([job_id])
-        sent.append("SIGKILL")
+        sent.append("scancel")
         _wait(lambda: not self._running(job_id), 60.0, tick, "waiting for the scheduler to end the job")
         return sent
 

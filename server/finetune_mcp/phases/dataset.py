@@ -27,9 +27,13 @@ from finetune_mcp.workspace import commit, utc_now
 
 SKILL = "dataset-curation"
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9_.-]+)?$")
+_DATA_EXTS = set(R.TEXT_EXTS) | set(R.ARROW_EXTS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,119}$")
 # Overall progress: brief and light pass, then the worker's seven stages, then the write-up.
 _TOTAL = 10.0
+# Above this a source is validated once, in the worker, which reads it anyway: the server then neither
+# spends the time twice nor holds a large set in memory.
+LIGHT_PASS_MAX_BYTES = 4 << 20
 
 
 def _tables(pc: PhaseContext) -> dict[str, dict]:
@@ -43,17 +47,29 @@ def _err(e: JobError) -> FtError:
 # ---------------------------------------------------------------- sources
 
 
-def hf_dataset_cached(hf_id: str) -> Path | None:
-    """Where hf_id sits in the local caches (datasets' own cache or the hub cache), or None. Stdlib only."""
+def hf_dataset_cached(hf_id: str) -> dict[str, Path]:
+    """Where hf_id sits in the local caches: {"datasets": built cache dir, "snapshot": hub snapshot dir}. Stdlib only."""
     name = hf_id.split(":")[0]
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface").expanduser()
     ds_cache = Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets").expanduser()
     hub = Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub").expanduser()
     org, _, repo = name.partition("/")
-    for cand in (ds_cache / f"{org}___{repo}", hub / f"datasets--{org}--{repo}" / "snapshots"):
-        if cand.is_dir() and any(cand.iterdir()):
-            return cand
-    return None
+    found: dict[str, Path] = {}
+    built = ds_cache / f"{org}___{repo}"
+    if built.is_dir() and any(built.iterdir()):
+        found["datasets"] = built
+    repo_dir = hub / f"datasets--{org}--{repo}"
+    snaps = repo_dir / "snapshots"
+    if snaps.is_dir():
+        try:
+            main = (repo_dir / "refs" / "main").read_text().strip()
+        except OSError:
+            main = ""
+        cands = [d for d in snaps.iterdir() if d.is_dir() and any(d.iterdir())]
+        pick = snaps / main if main and (snaps / main).is_dir() else (max(cands, key=lambda d: d.stat().st_mtime) if cands else None)
+        if pick is not None:
+            found["snapshot"] = pick
+    return found
 
 
 def resolve_source(pc: PhaseContext, source: Any) -> dict:
@@ -74,7 +90,7 @@ def resolve_source(pc: PhaseContext, source: Any) -> dict:
                 raise
         if real is not None and real.exists():
             return {"kind": "path", "path": str(real), "given": source}
-        if _HF_ID.match(s):
+        if _HF_ID.match(s) and Path(s).suffix.lower() not in _DATA_EXTS:
             hf = s
         else:
             raise NotFound(f"source {source!r} not found", where=str(real) if real else source,
@@ -82,14 +98,18 @@ def resolve_source(pc: PhaseContext, source: Any) -> dict:
     hf_id, _, split = hf.partition(":")
     if not _HF_ID.match(hf_id):
         raise BadInput(f"{hf!r} is not an HF dataset id", where="source", fix="write it as org/name, optionally org/name:split")
-    if hf_dataset_cached(hf_id) is None:
+    cached = hf_dataset_cached(hf_id)
+    if not cached:
         raise NotFound(
             f"source {source!r} is neither a local path nor a dataset in the local HF cache; this server never downloads",
             where="source",
             fix=f"on a machine with hub access run datasets.load_dataset({hf_id!r}) with the same HF_HOME and copy the cache here, "
             "or save the data to a JSONL/Parquet file under DGX_SPARK_ROOT and pass its path",
         )
-    return {"kind": "hf", "id": hf_id, "split": split or None, "given": source}
+    out = {"kind": "hf", "id": hf_id, "split": split or None, "given": source}
+    if "snapshot" in cached:
+        out["snapshot"] = str(cached["snapshot"])
+    return out
 
 
 # ---------------------------------------------------------------- the tool
@@ -120,8 +140,8 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
     light = None
     if src["kind"] == "path":
         try:
-            kind, _, _ = R.source_files(Path(src["path"]))
-            if kind == "text":
+            kind, files, _ = R.source_files(Path(src["path"]))
+            if kind == "text" and sum(f.stat().st_size for f in files) <= LIGHT_PASS_MAX_BYTES:
                 pc.progress(0.5, _TOTAL, "reading and validating the records")
                 raw, sink = R.read_text_source(Path(src["path"]), tables["validation"]["listed_per_code"])
                 checked = R.check_records(raw, sink, method=brief.method, formats=tables["formats"], validation=tables["validation"],
@@ -555,8 +575,8 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
 def _license(src: dict) -> tuple[str | None, str | None]:
     """The license named by a dataset card or LICENSE file beside the source, if any."""
     if src["kind"] == "hf":
-        d = hf_dataset_cached(src["id"])
-        cands = list(d.rglob("README.md"))[:3] if d else []
+        cached = hf_dataset_cached(src["id"])
+        cands = [p for d in cached.values() for p in sorted(d.rglob("README.md"))[:3]]
     else:
         p = Path(src["path"])
         base = p if p.is_dir() else p.parent

@@ -93,11 +93,14 @@ def read_config(r: Path) -> dict[str, Any]:
 
 
 def base_model_of(pc: PhaseContext, r: Path, brief) -> str:
-    """The base model the adapter was trained on: PEFT records it in adapter_config.json."""
+    """The base model the adapter was trained on: PEFT records it in adapter_config.json; the run config names it too."""
     cfg = json.loads((r / "adapter" / "adapter_config.json").read_text(encoding="utf-8"))
     name = cfg.get("base_model_name_or_path") or ""
     if name and Path(name).is_dir():
         return name
+    model = read_config(r).get("model")
+    if isinstance(model, dict) and isinstance(model.get("path"), str) and Path(model["path"]).is_dir():
+        return model["path"]
     for cand in (name, brief.base_model if brief else ""):
         if cand and (pc.ws.base_models_dir / cand).is_dir():
             return str(pc.ws.base_models_dir / cand)
@@ -110,6 +113,11 @@ def base_model_of(pc: PhaseContext, r: Path, brief) -> str:
 
 def prepared_eval_split(pc: PhaseContext, config: dict[str, Any]) -> Path | None:
     """The prepared eval split named by the run config (any value naming an eval .jsonl or a dataset folder)."""
+    data = config.get("data")
+    if isinstance(data, dict) and isinstance(data.get("dir"), str) and isinstance(data.get("eval"), str):
+        p = Path(data["dir"]) / data["eval"]
+        if p.is_file():
+            return p
     found: list[Path] = []
 
     def walk(x: Any, key: str = "") -> None:

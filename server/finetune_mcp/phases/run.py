@@ -44,12 +44,10 @@ from finetune_mcp.launchers.base import STOP_MARKER, RunSpec
 from finetune_mcp.workspace import atomic_write_json, file_state, git, new_run_id, utc_now, validate_tag
 
 RECORD_KEYS = ("step", "loss", "lr", "mem_gb", "temp_c")
-# Anomaly thresholds: a loss above SPIKE_FACTOR x the median of the previous SPIKE_WINDOW finite
-# losses (once SPIKE_MIN_HISTORY of them exist) is a spike; a live run with no new record for
+# A loss spike is what triage calls one (dgx-spark-ops failure-signals table, `records`: above
+# spike_factor x the median of the previous spike_window finite losses, once spike_min_history of them
+# exist), so a poll and a later triage of the same run agree. A live run with no new record for
 # FINETUNE_MCP_STALL_MINUTES (default 10) has stalled.
-SPIKE_FACTOR = 3.0
-SPIKE_WINDOW = 20
-SPIKE_MIN_HISTORY = 5
 STALL_MINUTES_DEFAULT = 10.0
 # A run directory without run.json younger than this is still being launched.
 LAUNCH_GRACE_S = 120.0
@@ -155,7 +153,7 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
               + (f"; not found to copy: {', '.join(missing)}" if missing else ""))
     return S.LaunchResult(
         summary=f"launched {run_ref} ({launcher}, {where}); follow it with poll_progress(run_id={run_ref!r})",
-        citations=_cites(pc, ("dgx-spark-ops", "run-layout")),
+        citations=_cites(pc, ("spark-preflight", "verdict"), ("dgx-spark-ops", "run-layout")),
         run_id=run_ref, run_dir=str(run_dir), launcher=launcher, pid=rec.get("pid"), job_id=rec.get("job_id"),
         command=[str(c) for c in rec.get("command", [])], commit=commit, warnings_accepted=warnings,
     )
@@ -270,19 +268,8 @@ def _refuse_busy(pc: PhaseContext, spec: RunSpec) -> None:
 
 
 def _resolve_config(exp_dir: Path, tag: str, meta: dict) -> dict:
-    try:
-        from finetune_mcp.phases.config import resolve_run_config
-    except ImportError:  # TEMPORARY until phases/config.py lands: base.yaml + run-<tag>.yaml + {run: meta}
-        def resolve_run_config(exp_dir, tag, meta):
-            def merge(a, b):
-                out = dict(a)
-                for k, v in b.items():
-                    out[k] = merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
-                return out
-            base = exp_dir / "configs" / "base.yaml"
-            cfg = yaml.safe_load(base.read_text()) or {} if base.is_file() else {}
-            cfg = merge(cfg, yaml.safe_load((exp_dir / "configs" / f"run-{tag}.yaml").read_text()) or {})
-            return merge(cfg, {"run": meta})
+    from finetune_mcp.phases.config import resolve_run_config
+
     return resolve_run_config(exp_dir, tag, meta)
 
 
@@ -450,7 +437,7 @@ class _Cache:
 
     ino: int
     offset: int
-    window: collections.deque = field(default_factory=lambda: collections.deque(maxlen=SPIKE_WINDOW))
+    window: collections.deque = field(default_factory=collections.deque)
     ordinal: int = 0  # stdout source: records before offset
 
 
@@ -542,7 +529,19 @@ def _check_cursor(f, cursor: int, size: int, src: _Source) -> None:
                            fix="pass the next_cursor of your previous poll unchanged, or 0 to read from the start")
 
 
-def _anomalies(records: list[dict], window: collections.deque) -> list[S.Anomaly]:
+@dataclass(frozen=True)
+class SpikeRule:
+    factor: float
+    window: int
+    min_history: int
+
+
+def spike_rule(pc: PhaseContext) -> SpikeRule:
+    r = pc.skills.table("dgx-spark-ops", "failure-signals").records
+    return SpikeRule(float(r.spike_factor), int(r.spike_window), int(r.spike_min_history))
+
+
+def _anomalies(records: list[dict], window: collections.deque, rule: SpikeRule) -> list[S.Anomaly]:
     out: list[S.Anomaly] = []
     for r in records:
         loss = r["loss"]
@@ -552,9 +551,9 @@ def _anomalies(records: list[dict], window: collections.deque) -> list[S.Anomaly
         if math.isinf(loss):
             out.append(S.Anomaly(kind="inf-loss", step=r["step"], message=f"loss is infinite at step {r['step']}"))
             continue
-        if len(window) >= SPIKE_MIN_HISTORY:
+        if len(window) >= rule.min_history:
             med = statistics.median(window)
-            if med > 0 and loss > SPIKE_FACTOR * med:
+            if med > 0 and loss > rule.factor * med:
                 out.append(S.Anomaly(kind="loss-spike", step=r["step"],
                                      message=f"loss {loss:.4g} at step {r['step']} is {loss / med:.1f}x the running median {med:.4g} "
                                              f"of the previous {len(window)} records"))
@@ -567,6 +566,15 @@ def stall_minutes() -> float:
         return float(os.environ.get("FINETUNE_MCP_STALL_MINUTES") or STALL_MINUTES_DEFAULT)
     except ValueError:
         return STALL_MINUTES_DEFAULT
+
+
+def config_value(run_dir: Path, key: str) -> Any:
+    """A trainer setting of this run: the trainer call's own keyword (calls.trainer) first, else the key anywhere."""
+    cfg = _run_config(run_dir)
+    trainer = (cfg.get("calls") or {}).get("trainer") if isinstance(cfg.get("calls"), dict) else None
+    if isinstance(trainer, dict) and key in trainer:
+        return trainer[key]
+    return _find_value(cfg, key)
 
 
 def _find_value(obj: Any, key: str) -> Any:
@@ -621,24 +629,25 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
             with _CACHE_LOCK:
                 # Taken out while in use, so two concurrent polls never share one window.
                 c = _CACHE.pop(key, None)
-            cold = c is None or c.ino != st.st_ino or c.offset != cursor
+            rule = spike_rule(pc)
+            cold = c is None or c.ino != st.st_ino or c.offset != cursor or c.window.maxlen != rule.window
             if cold:
-                c = _Cache(st.st_ino, cursor)
+                c = _Cache(st.st_ino, cursor, collections.deque(maxlen=rule.window))
             if cold and cursor > 0:
                 # A server that has not followed this run looks back a bounded amount for the spike window.
-                prev = _records_backward(f, cursor, SPIKE_WINDOW, parse)
+                prev = _records_backward(f, cursor, rule.window, parse)
                 c.window.extend(r["loss"] for r in prev if math.isfinite(r["loss"]))
                 if src.kind == "stdout":
                     c.ordinal = _count_records(f, cursor, parse)
             got, next_cursor, more, _ = _lines_forward(f, cursor, limit, parse)
             raw = [r for _, r in got]
             if src.kind == "stdout":
-                every = int(_find_value(_run_config(run_dir), "logging_steps") or 1)
+                every = int(config_value(run_dir, "logging_steps") or 1)
                 raw = [{"step": (c.ordinal + i + 1) * every, "loss": r["loss"], "lr": r["lr"], "mem_gb": None, "temp_c": None}
                        for i, r in enumerate(raw)]
                 c.ordinal += len(raw)
             records = raw
-            anomalies = _anomalies(records, c.window)
+            anomalies = _anomalies(records, c.window, rule)
             c.offset = next_cursor
             with _CACHE_LOCK:
                 _CACHE[key] = c
@@ -651,7 +660,7 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
                     if src.kind == "stdout":
                         # The newest printed dict carries no step; it is the ordinal-th of its kind.
                         total = c.ordinal if not more else _count_records(f, st.st_size, parse)
-                        every = int(_find_value(_run_config(run_dir), "logging_steps") or 1)
+                        every = int(config_value(run_dir, "logging_steps") or 1)
                         last = {"step": total * every, "loss": last["loss"], "lr": last["lr"], "mem_gb": None, "temp_c": None}
 
     state = run_state(run_dir, run_json, has_records=last is not None)
@@ -667,7 +676,7 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
     _lifecycle_notes(pc, run_dir, run_id, state, last)
 
     if last is not None:
-        max_steps = _find_value(_run_config(run_dir), "max_steps")
+        max_steps = config_value(run_dir, "max_steps")
         total = float(max_steps) if isinstance(max_steps, (int, float)) and max_steps > 0 else None
         loss_txt = f"{last['loss']:.4g}" if math.isfinite(last["loss"]) else str(last["loss"])
         pc.progress(float(last["step"]), total, f"step {last['step']} loss {loss_txt}")
@@ -684,7 +693,7 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
         bits.append(f"; {len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'}: " + ", ".join(sorted({a.kind for a in anomalies})))
     result = S.PollResult(
         summary=" ".join(bits).replace(" ;", ";"),
-        citations=_cites(pc, ("dgx-spark-ops", "run-layout")),
+        citations=_cites(pc, ("dgx-spark-ops", "failure-signals")),
         run_id=run_id, status=state.status, exit_code=state.exit_code, signal=state.signal, detail=state.detail,
         records=[S.ProgressRecord(**r) for r in records],
         last=S.ProgressRecord(**last) if last else None,
@@ -727,7 +736,7 @@ def _loss_png(pc: PhaseContext, run_dir: Path, run_id: str, src: _Source | None)
         else:
             with open(src.path, "rb") as f:
                 got, _, _, _ = _lines_forward(f, 0, 10**9, _parse_stdout_line)
-            every = int(_find_value(_run_config(run_dir), "logging_steps") or 1)
+            every = int(config_value(run_dir, "logging_steps") or 1)
             params["points"] = [[(i + 1) * every, r["loss"]] for i, (_, r) in enumerate(got)]
         run_job("plot_loss", params, timeout=120)
         return out.read_bytes()
@@ -827,7 +836,7 @@ def stop_run(pc: PhaseContext, run_id: str, grace_seconds: float = 30.0) -> S.St
     return S.StopResult(
         summary=f"{run_id}: {state.status} ({' then '.join(sent) or 'no signal needed'})"
                 + (f"; checkpoint kept: {Path(cp).name}" if cp else "; no checkpoint was saved"),
-        citations=_cites(pc, ("dgx-spark-ops", "run-layout")),
+        citations=_cites(pc, ("dgx-spark-ops", "failure-signals"), ("dgx-spark-ops", "run-layout")),
         run_id=run_id, status=state.status, signal_sent=sent, checkpoint=cp,
     )
 
@@ -890,6 +899,7 @@ def _human(n: int) -> str:
 
 
 def _cites(pc: PhaseContext, *refs: tuple[str, str]) -> list[str]:
+    """The sections a result applied; one not (yet) in the skills is left out rather than failing the tool."""
     out = []
     for skill, anchor in refs:
         try:

@@ -8,6 +8,7 @@ from trl import GRPOConfig, GRPOTrainer
 # completions (conversational: a list of messages each) and the dataset's extra columns by name; the
 # reference answer is the column config.yaml names in data.reference_field.
 REFERENCE_FIELD = "answer"
+STOP_IDS: set[int] = set()  # the tokenizer's end-of-turn and padding ids, set in build_trainer
 _END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
 
 
@@ -31,15 +32,17 @@ def exact_match(completions, **kwargs):
     return [1.0 if _first_line(c) == " ".join(str(a).split()) else 0.0 for c, a in zip(completions, answers)]
 
 
-def format_reward(completions, **kwargs):
-    """1 when the completion is one non-empty line and nothing more, else 0."""
+def format_reward(completions, completion_ids=None, **kwargs):
+    """1 when the completion stopped by itself (an end-of-turn token within max_completion_length)
+    and is one non-empty line; else 0."""
     out = []
-    for c in completions:
+    for i, c in enumerate(completions):
         text = _text(c)
         for marker in _END_MARKERS:
             text = text.split(marker, 1)[0]
         text = text.strip()
-        out.append(1.0 if text and "\n" not in text else 0.0)
+        stopped = completion_ids is None or (len(completion_ids[i]) > 0 and completion_ids[i][-1] in STOP_IDS)
+        out.append(1.0 if stopped and text and "\n" not in text else 0.0)
     return out
 
 
@@ -52,6 +55,7 @@ def partial_match(completions, **kwargs):
     return scores
 
 
+format_reward.__name__ = "format"  # TRL logs rewards/<__name__>/mean: keep the brief's name
 REWARDS = {"exact_match": exact_match, "format": format_reward, "partial_match": partial_match}
 
 
@@ -64,6 +68,9 @@ def load_datasets(cfg, tokenizer):
 def build_trainer(cfg, run_dir, model, tokenizer, peft_config, train_ds, eval_ds, callbacks):
     global REFERENCE_FIELD
     REFERENCE_FIELD = cfg["data"].get("reference_field") or "answer"
+    eos = getattr(model, "generation_config", None) and model.generation_config.eos_token_id
+    STOP_IDS.update(i for i in ([eos] if isinstance(eos, int) else list(eos or [])) + [tokenizer.eos_token_id, tokenizer.pad_token_id]
+                    if isinstance(i, int))
     names = cfg["calls"]["script"]["rewards"]
     unknown = [n for n in names if n not in REWARDS]
     if unknown:

@@ -1,0 +1,141 @@
+"""Training speed of the generated train.py against a minimal hand-written TRL script on the same tiny run,
+side by side. Goal: ours >= 0.97x the baseline's steps/s.
+
+    /work/main/.venv/bin/python bench/bench_steps.py [--steps 40] [--repeats 3]
+
+It prepares the embedded repeat-words task the way the tools do (prepare_dataset, preflight,
+generate_config with max_steps=--steps and no end-of-run eval), then, alternating, runs
+  ours      - the generated train.py (progress callback, telemetry thread, stop handling, TensorBoard);
+  baseline  - this file with --baseline CONFIG: SFTTrainer + LoraConfig built from the *same*
+              config.yaml (calls.load, calls.peft, calls.trainer), no callbacks, report_to none;
+each in its own process, one at a time, --repeats times. The figure is the trainer's own
+train_steps_per_second (steps / train() wall time: model loading and imports excluded). The headline
+is each side's best repeat (the one least disturbed by other load on the machine); medians and the
+load average around each repeat are printed too, since on a shared box they move by whole factors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "server"))
+
+
+def baseline(config_path: str) -> int:
+    """The minimal script: what someone would write by hand with TRL for this run."""
+    import torch
+    import yaml
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    cfg = yaml.safe_load(Path(config_path).read_text())
+    calls, run_dir = cfg["calls"], Path(config_path).parent
+    load = dict(calls["load"])
+    load["dtype"] = getattr(torch, load.get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"]["path"], **load)
+    tok = AutoTokenizer.from_pretrained(cfg["model"]["path"])
+    ds = load_dataset("json", data_files=str(Path(cfg["data"]["dir"]) / cfg["data"]["train"]), split="train")
+    args = SFTConfig(output_dir=str(run_dir / "checkpoints"), report_to="none", **calls["trainer"])
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
+                         peft_config=LoraConfig(task_type="CAUSAL_LM", bias="none", **calls["peft"]))
+    metrics = trainer.train().metrics
+    print("BASELINE " + json.dumps(metrics), flush=True)
+    return 0
+
+
+def ours_steps_per_second(run_dir: Path) -> float:
+    for line in (run_dir / "logs" / "log_history.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if "train_steps_per_second" in d:
+            return float(d["train_steps_per_second"])
+    raise RuntimeError(f"no train_steps_per_second in {run_dir}/logs/log_history.jsonl")
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                                          "TOKENIZERS_PARALLELISM": "false"})
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", metavar="CONFIG", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    if a.baseline:
+        return baseline(a.baseline)
+
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
+        root = Path(tmp) / "dgx-spark"
+        os.environ["DGX_SPARK_ROOT"] = str(root)
+        os.environ.pop("OUTPUT_ROOT", None)
+        from finetune_mcp.context import PhaseContext
+        from finetune_mcp.embedded import task
+        from finetune_mcp.phases.config import generate_config, resolve_run_config
+        from finetune_mcp.phases.dataset import prepare_dataset
+        from finetune_mcp.phases.preflight import preflight
+        from finetune_mcp.worker import train_python
+
+        pc = PhaseContext.for_role("training-engineer")
+        inbox = root / "inbox"
+        inbox.mkdir(parents=True)
+        (inbox / "training-brief.md").write_text(task.sample_brief("sft-lora"))
+        task.write_jsonl(task.sft_conversations(2000, seed=0), inbox / "data.jsonl")
+        t0 = time.perf_counter()
+        exp = prepare_dataset(pc, brief_path=str(inbox / "training-brief.md"), source=str(inbox / "data.jsonl")).experiment
+        preflight(pc, experiment=exp)
+        gen = generate_config(pc, experiment=exp, tag="bench", overrides={"max_steps": a.steps, "eval_at_end": False})
+        print(f"# set-up {time.perf_counter() - t0:.0f}s: {gen.summary}", flush=True)
+        exp_dir = pc.ws.experiment_dir(exp)
+        python = train_python()
+
+        ours, base = [], []
+        for i in range(a.repeats):
+            for side in ("ours", "baseline"):
+                run_dir = root / "runs" / f"{side}-{i}"
+                (run_dir / "logs").mkdir(parents=True)
+                cfg = resolve_run_config(exp_dir, "bench", {"run_id": f"{exp}/bench-{side}-{i}", "run_dir": str(run_dir)})
+                (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+                if side == "ours":
+                    shutil.copyfile(exp_dir / "train.py", run_dir / "train.py")
+                    run([python, "train.py", "--config", "config.yaml"], run_dir)
+                    ours.append(ours_steps_per_second(run_dir))
+                else:
+                    out = run([python, str(Path(__file__).resolve()), "--baseline", "config.yaml"], run_dir)
+                    line = next(ln for ln in out.splitlines() if ln.startswith("BASELINE "))
+                    base.append(float(json.loads(line[9:])["train_steps_per_second"]))
+                print(f"# repeat {i + 1}: {side} {(ours if side == 'ours' else base)[-1]:.3f} steps/s "
+                      f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+
+    o, b = max(ours), max(base)
+    om, bm = statistics.median(ours), statistics.median(base)
+    print()
+    print(f"| side | steps/s per repeat | best | median |")
+    print(f"|---|---|---:|---:|")
+    print(f"| generated train.py | {', '.join(f'{x:.3f}' for x in ours)} | {o:.3f} | {om:.3f} |")
+    print(f"| minimal TRL script | {', '.join(f'{x:.3f}' for x in base)} | {b:.3f} | {bm:.3f} |")
+    print(f"ratio ours/baseline: best {o / b:.3f}, median {om / bm:.3f} ({a.steps} steps, {a.repeats} alternating repeats)")
+    print("BENCH " + json.dumps({"figure": f"training steps/s, tiny SFT-LoRA run, {a.steps} steps (best of {a.repeats})",
+                                 "ours": round(o, 3), "baseline": round(b, 3), "ratio": round(o / b, 3), "goal": ">= 0.97"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

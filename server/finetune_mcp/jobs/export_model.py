@@ -1,0 +1,395 @@
+"""Worker job: builds one export artifact from base + adapter and smoke-tests it in its target runtime.
+
+Params (JSON on stdin):
+  base_model, adapter_dir   what was promoted
+  format                    lora | merged-16bit | gguf-f16 | gguf-q8_0 | gguf-q4_k_m
+  runtime                   transformers | vllm | llama.cpp | ollama
+  smoke_runtime             transformers | vllm | llama.cpp (from the format map)
+  goldens                   [{"prompt", "output"}] from the signed verdict (3-5)
+  max_new_tokens            as used at evaluation
+  export_dir, merged_dir    the run's export/ and merged/
+  name                      file name stem for GGUF artifacts
+  lossless, min_similarity  the smoke criterion (format map)
+  llama_ftype               e.g. LLAMA_FTYPE_MOSTLY_Q8_0 for quantized GGUF
+  converter                 path of llama.cpp's convert_hf_to_gguf.py (GGUF only)
+  pre_tokenizer             llama.cpp pre-tokenizer name to use when the converter does not know the
+                            tokenizer's hash (null: derived from tokenizer.json when it is plain GPT-2 byte-level)
+  modelfile                 write an Ollama Modelfile beside the GGUF
+
+Pre-export outputs come from base + adapter in transformers (float32), generated exactly as
+evaluate_checkpoint generates them; the artifact's outputs are diffed against them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+from finetune_mcp.jobs.evaluate import greedy, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model
+
+# Runs llama.cpp's converter unchanged, from where it lies, with two run-time adjustments made in
+# memory (the user's files are never edited):
+# - a BPE tokenizer whose pre-tokenizer hash the converter's table lacks is mapped to the name in
+#   $FINETUNE_MCP_GGUF_PRE (the converter otherwise stops with "BPE pre-tokenizer was not recognized");
+# - without a tokenizer.model file the SentencePiece path is skipped as if the file were missing,
+#   which is what the converter does when sentencepiece is installed.
+CONVERTER_SHIM = r'''
+import importlib.util, os, sys
+from pathlib import Path
+conv = os.path.abspath(sys.argv[1])
+here = os.path.dirname(conv)
+sys.path.insert(0, here)
+if "NO_LOCAL_GGUF" not in os.environ:
+    sys.path.insert(1, os.path.join(here, "gguf-py"))
+spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", conv)
+mod = importlib.util.module_from_spec(spec)
+sys.modules["convert_hf_to_gguf"] = mod
+spec.loader.exec_module(mod)
+pre = os.environ.get("FINETUNE_MCP_GGUF_PRE") or None
+classes = {c for c in (getattr(mod, "TextModel", None), getattr(sys.modules.get("conversion.base"), "TextModel", None),
+                        getattr(mod, "Model", None)) if c is not None}
+for cls in classes:
+    if hasattr(cls, "get_vocab_base_pre"):
+        def get_pre(self, tokenizer, _orig=cls.get_vocab_base_pre):
+            try:
+                return _orig(self, tokenizer)
+            except NotImplementedError:
+                if pre:
+                    print(f"finetune-mcp: pre-tokenizer hash not in the converter's table; using {pre!r}", file=sys.stderr)
+                    return pre
+                raise
+        cls.get_vocab_base_pre = get_pre
+    if hasattr(cls, "_set_vocab_sentencepiece"):
+        def sp(self, *a, _orig=cls._set_vocab_sentencepiece, **k):
+            if not (Path(self.dir_model) / "tokenizer.model").is_file():
+                raise FileNotFoundError("no tokenizer.model")
+            return _orig(self, *a, **k)
+        cls._set_vocab_sentencepiece = sp
+sys.argv = [conv] + sys.argv[2:]
+mod.main()
+'''
+
+CHATML_MODELFILE_TEMPLATE = (
+    '{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n'
+)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _artifact(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return {"path": str(path), "bytes": sum(p.stat().st_size for p in files), "files": [p.name for p in files]}
+    return {"path": str(path), "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Put a finished folder in place; a previous export of the same format is replaced whole."""
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        os.rename(dst, old / dst.name)
+        os.rename(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(src, dst)
+
+
+def gpt2_byte_level(model_dir: Path) -> bool:
+    """True when tokenizer.json pre-tokenizes exactly like GPT-2: ByteLevel with its regex, no prefix space, nothing else."""
+    try:
+        tj = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    pre, model = tj.get("pre_tokenizer") or {}, tj.get("model") or {}
+    return (
+        pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+        and model.get("type") == "BPE" and not tj.get("normalizer")
+    )
+
+
+def chat_family(tokenizer) -> str | None:
+    t = getattr(tokenizer, "chat_template", None) or ""
+    if "<|im_start|>" in t and "<|im_end|>" in t:
+        return "chatml"
+    return None
+
+
+def render_chatml(messages: list[dict[str, str]]) -> str:
+    """What CHATML_MODELFILE_TEMPLATE renders in Ollama for these messages (with the generation prompt)."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def similarity(a: str, b: str) -> float:
+    if a == b:
+        return 1.0
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+# ---------------------------------------------------------------- runtimes
+
+
+def _smoke_transformers(model, tok, goldens, mnt) -> list[dict[str, Any]]:
+    out = []
+    for g in goldens:
+        text, toks = greedy(model, tok, prompt_ids(tok, g["prompt"]), mnt)
+        out.append({"output": text, "tokens": toks})
+    return out
+
+
+def _smoke_llama_cpp(gguf: Path, tok, goldens, mnt, threads: int) -> list[dict[str, Any]]:
+    from llama_cpp import Llama
+
+    lens = [len(prompt_ids(tok, g["prompt"])) for g in goldens]
+    llm = Llama(model_path=str(gguf), n_ctx=max(256, max(lens) + mnt + 16), n_threads=threads, verbose=False, seed=0)
+    out = []
+    try:
+        for g in goldens:
+            text = prompt_text(tok, g["prompt"])
+            # The runtime's own tokenizer reads the rendered prompt, as a server given this text would.
+            ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+            r = llm.create_completion(prompt=ids, max_tokens=mnt, temperature=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                      repeat_penalty=1.0, seed=0)
+            out.append({"output": r["choices"][0]["text"], "finish_reason": r["choices"][0].get("finish_reason"),
+                        "tokenizer_match": ids == prompt_ids(tok, g["prompt"])})
+    finally:
+        llm.close() if hasattr(llm, "close") else None
+    return out
+
+
+def _vllm_unavailable() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "vLLM needs an NVIDIA GPU and this machine has none (torch.cuda.is_available() is False)"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "vllm is not installed in the training environment"
+    return None
+
+
+def _smoke_vllm(model_dir: str, adapter: str | None, tok, goldens, mnt) -> list[dict[str, Any]]:
+    from vllm import LLM, SamplingParams
+
+    kwargs = {"enable_lora": True} if adapter else {}
+    llm = LLM(model=model_dir, dtype="auto", enforce_eager=True, **kwargs)
+    sp = SamplingParams(temperature=0.0, max_tokens=mnt)
+    lora = None
+    if adapter:
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest("promoted", 1, adapter)
+    out = []
+    for g in goldens:
+        res = llm.generate({"prompt_token_ids": prompt_ids(tok, g["prompt"])}, sp, lora_request=lora, use_tqdm=False)
+        out.append({"output": res[0].outputs[0].text})
+    return out
+
+
+# ---------------------------------------------------------------- the job
+
+
+def export(params: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    fmt, runtime, smoke_rt = params["format"], params["runtime"], params["smoke_runtime"]
+    base_model, adapter_dir = params["base_model"], params["adapter_dir"]
+    goldens, mnt = params["goldens"], int(params.get("max_new_tokens") or 32)
+    export_dir, merged_dir = Path(params["export_dir"]), Path(params["merged_dir"])
+    threads = int(params.get("threads") or max(1, min(8, os.cpu_count() or 1)))
+    export_dir.mkdir(parents=True, exist_ok=True)
+    commands: list[str] = []
+    notes: list[str] = []
+    t0 = time.time()
+
+    if fmt.startswith("gguf-"):
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise JobError("llama-cpp-python is not installed in the training environment, so GGUF cannot be quantized or smoke-tested",
+                           kind="Refused", fix="pip install 'finetune-mcp[export]' (or llama-cpp-python) into the training Python") from None
+        if not params.get("converter"):
+            raise JobError("no llama.cpp converter was given", kind="Refused")
+
+    tok = load_tokenizer(base_model)
+    if params.get("modelfile") and chat_family(tok) != "chatml":
+        raise JobError("the Ollama Modelfile is written for ChatML chat templates, and this model's template is not ChatML",
+                       kind="Refused", fix="export for llama.cpp instead (the GGUF carries the model's own chat template), or write the Modelfile TEMPLATE by hand")
+
+    emit_progress(0, 4, "pre-export outputs: base + adapter in transformers")
+    ref = load_adapted(base_model, adapter_dir)
+    pre = _smoke_transformers(ref, tok, goldens, mnt)
+
+    work = Path(tempfile.mkdtemp(prefix=f".export-{fmt}-", dir=export_dir))
+    try:
+        emit_progress(1, 4, f"building {fmt}")
+        if fmt == "lora":
+            art = work / "lora"
+            shutil.copytree(adapter_dir, art)
+            tok.save_pretrained(art)
+            final = export_dir / "lora"
+            model_for_smoke = None
+            if smoke_rt == "transformers":
+                from peft import PeftModel
+
+                model_for_smoke = PeftModel.from_pretrained(load_model(base_model), str(art)).eval()
+        elif fmt == "merged-16bit":
+            cfg = json.loads((Path(resolve_model(base_model)) / "config.json").read_text()) if Path(resolve_model(base_model)).is_dir() else {}
+            dtype = torch.float16 if str(cfg.get("dtype") or cfg.get("torch_dtype")) == "float16" else torch.bfloat16
+            merged = ref.merge_and_unload().to(dtype)
+            art = work / "merged"
+            merged.save_pretrained(art, safe_serialization=True)
+            tok.save_pretrained(art)
+            del merged, ref
+            final = merged_dir
+            notes.append(f"merged in float32, saved as {str(dtype).replace('torch.', '')}")
+            model_for_smoke = load_model(str(art), str(dtype).replace("torch.", "")) if smoke_rt == "transformers" else None
+        else:
+            hf = work / "hf"
+            merged = ref.merge_and_unload()
+            merged.save_pretrained(hf, safe_serialization=True)
+            tok.save_pretrained(hf)
+            n_params = sum(p.numel() for p in merged.parameters())
+            del merged, ref
+            quant = fmt != "gguf-f16"
+            outtype = "f16" if not quant else ("f32" if n_params * 4 < 8e9 else "auto")
+            stem = params.get("name") or "model"
+            converted = work / (f"{stem}-{outtype}.gguf" if quant else f"{stem}-f16.gguf")
+            pre_tok = params.get("pre_tokenizer") or ("gpt-2" if gpt2_byte_level(hf) else "")
+            cmd = [sys.executable, "-c", CONVERTER_SHIM, params["converter"], str(hf), "--outfile", str(converted), "--outtype", outtype]
+            commands.append(f"FINETUNE_MCP_GGUF_PRE={pre_tok or '(unset)'} python convert_hf_to_gguf.py {hf.name}/ --outfile {converted.name} --outtype {outtype}"
+                            f"   # converter: {params['converter']}, run through finetune-mcp's in-memory shim")
+            env = {**os.environ, "FINETUNE_MCP_GGUF_PRE": pre_tok}
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if p.returncode != 0 or not converted.is_file():
+                tail = (p.stderr or p.stdout)[-3000:]
+                hint = "the converter does not know this tokenizer's pre-tokenizer; set FINETUNE_MCP_GGUF_PRE_TOKENIZER to the llama.cpp name it matches (e.g. gpt-2, llama-bpe, qwen2)" \
+                    if "pre-tokenizer was not recognized" in tail else "its output ends with the lines shown"
+                raise JobError(f"llama.cpp's converter failed (exit {p.returncode}):\n{tail}", kind="JobFailed", where=" ".join(cmd[:1] + cmd[3:]), fix=hint)
+            if pre_tok and "pre-tokenizer hash not in the converter's table" in p.stderr:
+                notes.append(f"the converter did not know this tokenizer's hash; mapped to llama.cpp pre-tokenizer {pre_tok!r}")
+            shutil.rmtree(hf, ignore_errors=True)
+            if quant:
+                import ctypes
+
+                import llama_cpp
+
+                qparams = llama_cpp.llama_model_quantize_default_params()
+                qparams.ftype = getattr(llama_cpp, params["llama_ftype"])
+                qparams.nthread = threads
+                art = work / f"{stem}-{fmt.removeprefix('gguf-')}.gguf"
+                emit_progress(2, 4, f"quantizing to {fmt}")
+                rc = llama_cpp.llama_model_quantize(str(converted).encode(), str(art).encode(), ctypes.byref(qparams))
+                commands.append(f"llama_cpp.llama_model_quantize({converted.name}, {art.name}, ftype={params['llama_ftype']})"
+                                f"   # = llama-quantize {converted.name} {art.name} {fmt.removeprefix('gguf-').upper()}")
+                if rc != 0 or not art.is_file():
+                    raise JobError(f"llama_model_quantize returned {rc}", kind="JobFailed", where=str(converted))
+                converted.unlink()
+            else:
+                art = converted
+            final = export_dir / art.name
+            model_for_smoke = None
+
+        emit_progress(3, 4, f"smoke test in {smoke_rt}")
+        smoke: dict[str, Any] = {"runtime": smoke_rt, "ran": False, "reason": None}
+        post = None
+        if smoke_rt == "transformers":
+            post = _smoke_transformers(model_for_smoke, tok, goldens, mnt)
+        elif smoke_rt == "llama.cpp":
+            post = _smoke_llama_cpp(art, tok, goldens, mnt, threads)
+        elif smoke_rt == "vllm":
+            why = _vllm_unavailable()
+            if why:
+                smoke["reason"] = why
+            else:
+                post = _smoke_vllm(str(art) if fmt != "lora" else resolve_model(base_model), str(art) if fmt == "lora" else None, tok, goldens, mnt)
+
+        if params.get("modelfile"):
+            mf = work / "Modelfile"
+            mf.write_text(
+                f"# Ollama Modelfile written by finetune-mcp export for {params.get('run_id', '')}\n"
+                f"FROM ./{final.name}\n"
+                f'TEMPLATE """{CHATML_MODELFILE_TEMPLATE}"""\n'
+                'PARAMETER stop "<|im_end|>"\n'
+                'PARAMETER stop "<|im_start|>"\n',
+                encoding="utf-8",
+            )
+            smoke["modelfile_template_match"] = all(
+                render_chatml(g["prompt"] if isinstance(g["prompt"], list) else [{"role": "user", "content": g["prompt"]}]) == prompt_text(tok, g["prompt"])
+                for g in goldens
+            )
+
+        items = []
+        if post is not None:
+            smoke["ran"] = True
+            for g, a, b in zip(goldens, pre, post):
+                items.append({
+                    "prompt": g["prompt"],
+                    "pre_export": a["output"],
+                    "post_export": b["output"],
+                    "identical": a["output"] == b["output"],
+                    "similarity": round(similarity(a["output"], b["output"]), 4),
+                    "matches_verdict": a["output"] == g.get("output"),
+                    **({"tokenizer_match": b["tokenizer_match"]} if "tokenizer_match" in b else {}),
+                })
+        smoke["items"] = items
+        if params.get("lossless"):
+            smoke["criterion"] = "identical greedy outputs (lossless format)"
+            ok = bool(items) and all(i["identical"] for i in items)
+        else:
+            smoke["criterion"] = f"similarity >= {params['min_similarity']} for every golden (lossy format)"
+            ok = bool(items) and all(i["similarity"] >= float(params["min_similarity"]) for i in items)
+        if any(i.get("tokenizer_match") is False for i in items):
+            ok = False
+            notes.append("llama.cpp tokenizes the golden prompts differently from the HF tokenizer: the pre-tokenizer mapping is wrong")
+        if params.get("modelfile") and not smoke.get("modelfile_template_match"):
+            ok = False
+            notes.append("the Modelfile TEMPLATE renders the golden prompts differently from the model's chat template")
+        smoke["passed"] = bool(smoke["ran"] and ok)
+
+        emit_progress(4, 4, "placing artifacts")
+        artifacts = []
+        if art.is_dir():
+            _replace_dir(art, final)
+        else:
+            os.replace(art, final)
+        artifacts.append(_artifact(final))
+        if params.get("modelfile"):
+            os.replace(work / "Modelfile", export_dir / "Modelfile")
+            artifacts.append(_artifact(export_dir / "Modelfile"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    import peft
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    if fmt.startswith("gguf-"):
+        import llama_cpp
+
+        versions["llama_cpp_python"] = llama_cpp.__version__
+    return {"artifacts": artifacts, "smoke": smoke, "commands": commands, "notes": notes, "versions": versions,
+            "seconds": round(time.time() - t0, 1)}
+
+
+if __name__ == "__main__":
+    run_main(export)

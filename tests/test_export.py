@@ -1,0 +1,241 @@
+"""export through the MCP client (training role): the verdict gate against forged, copied, stale and
+rejecting verdicts, the Format Map choice, and real exports with their smoke tests — merged 16-bit in
+transformers, GGUF in llama.cpp (marker llamacpp), vLLM reported as unable to run without a GPU.
+
+The workspace is test_gate's world: runs A and B promoted by the eval role's server, U rejected.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import anyio
+import pytest
+
+from conftest import mcp_session
+from finetune_mcp import signing
+from finetune_mcp.digest import folder_digest
+from finetune_mcp.embedded import task
+from test_gate import EXP, RUN_A, RUN_B, RUN_U, build_world, call, clone_run, refused
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_model_dir):
+    return build_world(tmp_path_factory, tiny_model_dir)
+
+
+def export_args(run_id: str, fmt: str | None = None, rt: str | None = None) -> dict:
+    args = {"run_id": run_id}
+    if fmt:
+        args["format"] = fmt
+    if rt:
+        args["target_runtime"] = rt
+    return args
+
+
+def _report(run_dir: Path) -> str:
+    return (run_dir / "promotion-report.md").read_text()
+
+
+# ---------------------------------------------------------------- the verdict gate
+
+
+def test_export_refuses_every_verdict_but_a_valid_promote(world, monkeypatch):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    world.use(monkeypatch)
+    ws = world.ws
+    valid = _report(world.run_dir(RUN_A))
+
+    # 1. hand-written PROMOTE: the machine block copied from a real one, run id and digest fitted to
+    #    the new run, signature left as it was (a careful forger's best without the key)
+    hand = f"{EXP}/20260102-0800-hand"
+    r = clone_run(ws, RUN_A, hand)
+    block = json.loads(valid.split("```json\n", 1)[1].split("\n```", 1)[0])
+    block["run_id"] = hand
+    (r / "promotion-report.md").write_text(valid.split(signing.MARKER)[0] + signing.render_block(block))
+    # ... and one with no block at all
+    bare = f"{EXP}/20260102-0805-bare"
+    clone_run(ws, RUN_A, bare)
+    (world.run_dir(bare) / "promotion-report.md").write_text("# Promotion report\n\n**Verdict: PROMOTE**\n\nLooks great.\n")
+    # ... and one properly signed, with a key of the forger's own
+    own = f"{EXP}/20260102-0810-ownkey"
+    r_own = clone_run(ws, RUN_A, own)
+    forged = signing.sign_block(Ed25519PrivateKey.generate(), {k: v for k, v in block.items() if k not in ("signature", "key_id", "schema")} | {"run_id": own})
+    (r_own / "promotion-report.md").write_text(signing.render_block(forged))
+
+    # 2. copied from another run: a genuine PROMOTE of A, in a run directory of the same adapter bytes
+    copied = f"{EXP}/20260102-0815-copied"
+    clone_run(ws, RUN_A, copied)
+    assert folder_digest(world.run_dir(copied) / "adapter") == folder_digest(world.run_dir(RUN_A) / "adapter")
+
+    # 3. adapter changed after the verdict (B is promoted; its adapter is then retouched, DIGEST refreshed to match)
+    rb = world.run_dir(RUN_B)
+    cfg = rb / "adapter" / "adapter_config.json"
+    data = json.loads(cfg.read_text())
+    data["lora_alpha"] = data["lora_alpha"] * 2
+    cfg.write_text(json.dumps(data, indent=2))
+    (rb / "adapter" / "DIGEST").write_text(folder_digest(rb / "adapter") + "\n")
+
+    # ... and a change that did not even refresh DIGEST
+    stale = f"{EXP}/20260102-0820-stale"
+    rs = clone_run(ws, RUN_A, stale)
+    with open(rs / "adapter" / "adapter_model.safetensors", "ab") as f:
+        f.write(b"\0")
+
+    # 4. no verdict at all
+    none = f"{EXP}/20260102-0825-none"
+    clone_run(ws, RUN_A, none)
+    (world.run_dir(none) / "promotion-report.md").unlink()
+
+    async def main():
+        async with mcp_session("training-engineer") as s:
+            text = await refused(s, "export", export_args(hand, "merged-16bit"))
+            assert "does not verify" in text and "by hand" in text
+            text = await refused(s, "export", export_args(bare, "merged-16bit"))
+            assert "no signed verdict block" in text
+            text = await refused(s, "export", export_args(own, "merged-16bit"))
+            assert "not this workspace's eval key" in text
+            text = await refused(s, "export", export_args(copied, "merged-16bit"))
+            assert "copied from another run" in text and RUN_A in text
+            text = await refused(s, "export", export_args(RUN_B, "merged-16bit"))
+            assert "adapter changed after the verdict" in text
+            text = await refused(s, "export", export_args(stale, "merged-16bit"))
+            assert "does not match its DIGEST" in text
+            text = await refused(s, "export", export_args(none, "merged-16bit"))
+            assert "no verdict" in text
+            # REJECT: passed along, nothing exported, no retraining suggested by export itself
+            rej = await call(s, "export", export_args(RUN_U, "merged-16bit"))
+            assert rej["exported"] is False and rej["verdict"] == "REJECT"
+            assert rej["top_remediation"] == "train the adapter: it is still at its initialisation"
+            assert "task accuracy 0.0 < 0.8" in rej["evidence"]
+            assert rej["artifacts"] == []
+
+    anyio.run(main)
+    for run_id in (hand, bare, own, copied, RUN_B, stale, none, RUN_U):
+        d = world.run_dir(run_id)
+        assert not (d / "export").exists() and not (d / "merged").exists(), run_id
+
+
+# ---------------------------------------------------------------- real exports
+
+
+def test_merged_16bit_export_reproduces_the_goldens_in_transformers(world, monkeypatch):
+    world.use(monkeypatch)
+    ws = world.ws
+    # export verifies with the public key alone: the private key may be absent from this machine
+    priv = signing.key_dir(ws) / signing.PRIVATE_NAME
+    hidden = priv.with_name("moved-away")
+    priv.rename(hidden)
+    try:
+        async def main():
+            async with mcp_session("training-engineer") as s:
+                return await call(s, "export", export_args(RUN_A))  # format and runtime from the brief
+
+        res = anyio.run(main)
+    finally:
+        hidden.rename(priv)
+    assert res["exported"] is True, res["summary"]
+    assert (res["format"], res["target_runtime"]) == ("merged-16bit", "transformers")  # "transformers (merged-16bit)" in the brief
+    smoke = res["smoke_test"]
+    assert smoke["runtime"] == "transformers" and smoke["ran"] and smoke["passed"]
+    assert len(smoke["items"]) == 4 and all(i["identical"] for i in smoke["items"])
+    assert all(task.score(i["prompt"], i["post_export"]) for i in smoke["items"])
+    merged = world.run_dir(RUN_A) / "merged"
+    cfg = json.loads((merged / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and (merged / "model.safetensors").is_file() and (merged / "tokenizer.json").is_file()
+    report = (world.run_dir(RUN_A) / "export" / "export-report.md").read_text()
+    assert "**DONE**" in report and "| # | prompt | pre-export | post-export | identical | similarity |" in report
+    assert "quantized-export#smoke-test" in res["citations"] and "quantized-export#format-map" in res["citations"]
+    assert not list(world.run_dir(RUN_A).glob("export/.export-*"))
+
+
+def test_format_map_refuses_what_the_runtime_cannot_load(world, monkeypatch):
+    world.use(monkeypatch)
+
+    async def main():
+        async with mcp_session("training-engineer") as s:
+            text = await refused(s, "export", export_args(RUN_A, "gguf-q8_0", "transformers"))
+            assert "transformers does not load gguf-q8_0" in text and "merged-16bit" in text
+            text = await refused(s, "export", export_args(RUN_A, "lora", "llama.cpp"))
+            assert "llama.cpp does not load lora" in text
+
+    anyio.run(main)
+
+
+def test_vllm_export_is_not_done_without_a_gpu(world, monkeypatch):
+    if _has_cuda():
+        pytest.skip("this machine has a GPU: the vLLM smoke test would run here")
+    world.use(monkeypatch)
+
+    async def main():
+        async with mcp_session("training-engineer") as s:
+            return await call(s, "export", export_args(RUN_A, "lora", "vllm"))
+
+    res = anyio.run(main)
+    assert res["exported"] is False and "NOT done" in res["summary"]
+    assert res["smoke_test"]["ran"] is False and "GPU" in res["smoke_test"]["reason"]
+    assert (world.run_dir(RUN_A) / "export" / "lora" / "adapter_config.json").is_file()
+    assert "**NOT DONE**" in (world.run_dir(RUN_A) / "export" / "export-report.md").read_text()
+
+
+def _has_cuda() -> bool:
+    try:
+        import subprocess
+        import sys
+
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True, text=True, timeout=120)
+        return out.stdout.strip() == "True"
+    except Exception:
+        return False
+
+
+def _llama_cpp_ready(ws) -> str | None:
+    """Why GGUF cannot be tested here, or None."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install -e .[export]); GGUF export cannot be smoke-tested"
+    from finetune_mcp.context import PhaseContext
+    from finetune_mcp.errors import FtError
+    from finetune_mcp.phases.export import converter_path
+
+    try:
+        converter_path(PhaseContext.for_role("training-engineer", ws))
+    except FtError as e:
+        return f"llama.cpp's converter is not available: {e.message} (set FINETUNE_MCP_LLAMA_CPP_SDIST or FINETUNE_MCP_LLAMA_CPP_CONVERTER)"
+    return None
+
+
+@pytest.mark.llamacpp
+def test_gguf_exports_smoke_tested_in_llama_cpp(world, monkeypatch):
+    world.use(monkeypatch)
+    why = _llama_cpp_ready(world.ws)
+    if why:
+        pytest.skip(f"LLAMA.CPP UNAVAILABLE — {why}")
+
+    async def main():
+        async with mcp_session("training-engineer") as s:
+            q8 = await call(s, "export", export_args(RUN_A, "gguf-q8_0", "llama.cpp"))
+            ol = await call(s, "export", export_args(RUN_A, None, "ollama"))  # Format Map default for Ollama: q4_k_m
+            return q8, ol
+
+    q8, ol = anyio.run(main)
+    for res, fmt in ((q8, "gguf-q8_0"), (ol, "gguf-q4_k_m")):
+        assert res["exported"] is True, res["summary"]
+        assert res["format"] == fmt
+        smoke = res["smoke_test"]
+        assert smoke["runtime"] == "llama.cpp" and smoke["passed"]
+        # llama.cpp tokenizes each golden prompt exactly as the HF tokenizer does (the pre-tokenizer mapping holds)
+        assert all(i["tokenizer_match"] for i in smoke["items"])
+        assert all(i["similarity"] >= (0.9 if fmt == "gguf-q8_0" else 0.7) for i in smoke["items"])
+        gguf = Path(res["artifacts"][0])
+        assert gguf.suffix == ".gguf" and gguf.read_bytes()[:4] == b"GGUF"
+    mf = (world.run_dir(RUN_A) / "export" / "Modelfile").read_text()
+    assert "FROM ./" in mf and "<|im_start|>{{ .Role }}" in mf and 'PARAMETER stop "<|im_end|>"' in mf
+    assert ol["smoke_test"]["modelfile_template_match"] is True
+    report = (world.run_dir(RUN_A) / "export" / "export-report.md").read_text()
+    assert "llama_model_quantize" in report and "convert_hf_to_gguf.py" in report
