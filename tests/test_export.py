@@ -239,3 +239,32 @@ def test_gguf_exports_smoke_tested_in_llama_cpp(world, monkeypatch):
     assert ol["smoke_test"]["modelfile_template_match"] is True
     report = (world.run_dir(RUN_A) / "export" / "export-report.md").read_text()
     assert "llama_model_quantize" in report and "convert_hf_to_gguf.py" in report
+
+
+def test_smoke_test_fails_when_the_base_model_changed_after_the_verdict(world, monkeypatch, tmp_path):
+    """The verdict binds the adapter; the smoke test also holds the export to the golden outputs it
+    signed. Here the base model under the adapter is rebuilt with another seed after promotion."""
+    from finetune_mcp.worker import run_job
+
+    world.use(monkeypatch)
+    base = world.ws.base_models_dir / "finetune-mcp-tiny"
+    other = Path(run_job("build_tiny_model", {"target_dir": str(tmp_path / "other" / "finetune-mcp-tiny"), "seed": 1}, timeout=600)["path"])
+    kept = tmp_path / "kept"
+    base.rename(kept)
+    shutil.copytree(other, base)
+    try:
+        async def main():
+            async with mcp_session("training-engineer") as s:
+                return await call(s, "export", export_args(RUN_A, "lora", "transformers"))
+
+        res = anyio.run(main)
+    finally:
+        shutil.rmtree(base)
+        kept.rename(base)
+    assert res["exported"] is False and "no longer reproduce" in res["summary"], res["summary"]
+    smoke = res["smoke_test"]
+    assert smoke["ran"] and not smoke["passed"]
+    # the artifact itself is faithful to what it was made from; the mismatch is with what was judged
+    assert all(i["identical"] for i in smoke["items"]) and not any(i["matches_verdict"] for i in smoke["items"])
+    report = (world.run_dir(RUN_A) / "export" / "export-report.lora.md").read_text()
+    assert "**NOT DONE**" in report and "not what was judged" in report

@@ -165,6 +165,9 @@ def build_world(tmp_path_factory, model_dir: Path) -> World:
     held = task.eval_suite(40, seed=5)
     task.write_jsonl([{"messages": [{"role": "user", "content": i["prompt"]}, {"role": "assistant", "content": i["expected"]}]} for i in held],
                      ws.datasets_dir / EXP / "eval.jsonl")
+    # The world's own copy of the base model, so that a test may swap it (adapters record this path).
+    shutil.copytree(model_dir, ws.base_models_dir / "finetune-mcp-tiny")
+    model_dir = ws.base_models_dir / "finetune-mcp-tiny"
     trained, untrained = base / "adapters" / "trained", base / "adapters" / "untrained"
     train_adapter(model_dir, trained, steps=300)
     train_adapter(model_dir, untrained, steps=0)

@@ -85,6 +85,26 @@ def training(max_steps=12, logging_steps=1, save_steps=10**6, step_sleep=0.0, lr
             "fixture": {"step_sleep": step_sleep}}
 
 
+@pytest.fixture(autouse=True)
+def no_run_outlives_its_test(tmp_path_factory):
+    """Runs are detached on purpose; one a failing test left behind must not train on for minutes."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{name}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"FINETUNE_MCP_RUN_DIR=") and item.split(b"=", 1)[1].decode(errors="replace").startswith(base):
+                try:
+                    os.kill(int(name), signal.SIGKILL)
+                except OSError:
+                    pass
+
+
 class Pipeline:
     def __init__(self, root: Path, experiment: str, verdict: str):
         self.root, self.experiment, self.verdict = root, experiment, verdict
@@ -446,3 +466,52 @@ def test_stop_under_torchrun_gives_each_rank_one_sigterm(ws_root, tiny_model_dir
     assert stopped["status"] == "stopped" and stopped["signal_sent"] == ["SIGTERM"]
     counts = [json.loads((rd / f"sigterm-rank{r}.json").read_text())["count"] for r in (0, 1)]
     assert counts == [1, 1]
+
+
+def test_gpu_runs_refuse_to_share_a_device(ws_root, tiny_model_dir, monkeypatch):
+    # No GPU here: the env-report is a recorded generic-nvidia observation, and the "GPU run" already
+    # live is this test process itself, recorded in a run.json the way launch_run records one.
+    from finetune_mcp.errors import Refused
+    from finetune_mcp.phases import run as R
+
+    exp = make_experiment(tiny_model_dir, script="sleeper.py", runs={"g0": {"sleeper": {"seconds": 60}},
+                                                                    "g1": {"sleeper": {"seconds": 60}}})
+    report = json.loads((exp / "env-report.json").read_text())
+    (exp / "env-report.json").write_text(json.dumps({**report, "platform": "generic-nvidia"}))
+    other = Workspace.from_env().output_root / EXP / "20250101-0000-other"
+    other.mkdir(parents=True)
+    me = psutil.Process()
+    (other / "run.json").write_text(json.dumps({"run_id": f"{EXP}/{other.name}", "pid": me.pid, "pgid": os.getpgid(0),
+                                                "start_time": me.create_time(), "launcher": "local", "device": "cuda",
+                                                "gpus": ["0"]}))
+    pc = PhaseContext.for_role("training-engineer")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(Refused, match=r"is live on GPU\(s\) 0"):
+        R.launch_run(pc, EXP, "g0")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing narrows it: the run would take every GPU
+    with pytest.raises(Refused, match="which this run would share"):
+        R.launch_run(pc, EXP, "g0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    launched = R.launch_run(pc, EXP, "g1")
+    rj = json.loads((run_dir_of(launched.run_id) / "run.json").read_text())
+    assert (rj["device"], rj["gpus"]) == ("cuda", ["1"])
+    assert R.stop_run(pc, launched.run_id, grace_seconds=10).status == "stopped"
+
+
+def test_stop_escalates_to_sigkill_and_is_still_a_stop(ws_root, tiny_model_dir):
+    # A trainer that ignores SIGTERM is killed after the grace period; the run is "stopped", never an OOM.
+    from finetune_mcp.phases import run as R
+
+    make_experiment(tiny_model_dir, script="sleeper.py", runs={"deaf": {"sleeper": {"seconds": 120, "ignore_sigterm": True}}})
+    pc = PhaseContext.for_role("training-engineer")
+    launched = R.launch_run(pc, EXP, "deaf")
+    log = run_dir_of(launched.run_id) / "logs" / "stdout.log"
+    end = time.monotonic() + 30
+    while not (log.exists() and "sleeper ready" in log.read_text()):
+        assert time.monotonic() < end
+        time.sleep(0.1)
+    stopped = R.stop_run(pc, launched.run_id, grace_seconds=1)
+    assert stopped.signal_sent == ["SIGTERM", "SIGKILL"] and stopped.status == "stopped"
+    polled = R.poll_progress(pc, launched.run_id)
+    assert (polled.status, polled.signal, polled.exit_code) == ("stopped", "SIGKILL", 137)
+    assert "out-of-memory" not in (polled.detail or "")

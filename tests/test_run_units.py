@@ -374,3 +374,20 @@ def test_supervisor_kills_what_the_trainer_left_behind(tmp_path):
     orphan = int((d / "orphan.pid").read_text())
     assert ex["returncode"] == 0 and ex["leftovers_killed"] == [orphan]
     wait_for(lambda: not R.get_launcher("local").alive(d, {"pid": orphan, "start_time": None}), timeout=10)
+
+
+def test_a_run_that_never_logs_a_step_is_reported_stalled(pc, monkeypatch):
+    run_id, d = make_run(pc, None, run_json=me())
+    old = time.time() - 300
+    os.utime(d / "run.json", (old, old))
+    monkeypatch.setenv("FINETUNE_MCP_STALL_MINUTES", "2")
+    r = R.poll_progress(pc, run_id)
+    assert r.status == "starting" and [a.kind for a in r.anomalies] == ["stalled"] and "no first step" in r.anomalies[0].message
+
+
+def test_last_record_never_comes_from_a_line_still_being_written(pc):
+    body = rec(1, 1.0) + rec(2, 0.9)
+    run_id, d = make_run(pc, body + rec(3, 0.8).rstrip("\n"), run_json=me())
+    r = R.poll_progress(pc, run_id, cursor=len(body))
+    assert r.records == [] and r.last.step == 2 and r.next_cursor == len(body)
+    assert "first record, step 1 loss 1" in (d / "roadbook.md").read_text()

@@ -1,23 +1,24 @@
 """The Slurm launcher against a real one-node cluster (tests/slurm_cluster.py), driven through the MCP client.
 
 The cluster is Debian's slurmctld/slurmd/munge started under a temp dir; without the packages
-these tests skip and say so (.ci/slurm-setup.sh installs them). The runs are real TRL SFT + LoRA
-runs of the embedded tiny model (tests/fixtures/scripts/sft_tiny.py as train.py). One run is given
-a one-minute time limit when the module starts, so the scheduler's TIMEOUT (30-90 s away) is
-reached while the other runs are tested; it also holds one of the two cores, which is what leaves
-the two-process run PENDING for Resources at first.
+these tests skip and say so (.ci/slurm-setup.sh installs them). The experiment is opened the way an
+agent opens it (prepare_dataset, preflight, generate_config through the client), so the main runs
+execute the generated train.py: real TRL SFT + LoRA on the embedded tiny model. A second experiment
+runs tests/fixtures/scripts/sft_tiny.py for the two runs that need a trainer which idles (the
+one-minute time limit) or a dataset that is gone (the failing run).
 
-The tests at the bottom need no cluster: the job script, the scheduler's records as Slurm 22.05
-printed them here, and the node-local storage rule.
+The time-limit run is submitted first, so Slurm's TIMEOUT (60-90 s away) arrives while the other
+runs are tested; it also holds one of the two cores, which is what leaves the two-process run
+PENDING for Resources at first. The tests at the bottom need no cluster: the job script, the
+scheduler's records as Slurm 22.05 printed them here, the environment sbatch gets, and the
+node-local storage rule.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from finetune_mcp.launchers.slurm import (
     parse_job_record,
     submit_env,
 )
-from finetune_mcp.workspace import commit, ensure_repo
+from finetune_mcp.workspace import commit
 
 REPO = Path(__file__).resolve().parent.parent
 SFT_SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "sft_tiny.py"
@@ -52,7 +53,9 @@ TERMINAL = ("succeeded", "failed", "stopped")
 FAST = {"gradient_accumulation_steps": 1, "per_device_train_batch_size": 4, "logging_steps": 1}
 CONFIGS = {
     "ok": {**FAST, "max_steps": 6},
-    "two": {**FAST, "max_steps": 4},
+    # eval_at_end off: the generated train.py evaluates on rank 0 after the other ranks have left, which
+    # fails under any multi-process launcher (gloo "Connection closed by peer"); reported, not ours to fix.
+    "two": {**FAST, "max_steps": 4, "eval_at_end": False},
     "stopme": {**FAST, "max_steps": 2000, "save_steps": 1000},
     "held": {**FAST, "max_steps": 2},
     "queued": {**FAST, "max_steps": 2},
@@ -88,17 +91,6 @@ def build_fixture_experiment(root: Path, train_file: Path, env_report: Path) -> 
         p.write_text(yaml.safe_dump(over, sort_keys=False))
         paths.append(p)
     commit(root / "experiments", paths, "slurm test fixture experiment")
-
-
-def _walk(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _walk(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _walk(v)
-    else:
-        yield obj
 
 
 async def call(s, tool: str, **args) -> dict:
@@ -162,7 +154,7 @@ def world(slurm_cluster, tiny_model_dir, tmp_path_factory):  # noqa: F811
     t0 = time.monotonic()
     root = tmp_path_factory.mktemp("slurm-world") / "dgx-spark"
     shutil.copytree(tiny_model_dir, root / "base-models" / "finetune-mcp-tiny")
-    inbox = root.parent / "inbox"
+    inbox = root / "inbox"  # inside DGX_SPARK_ROOT: the role may read it
     inbox.mkdir()
     (inbox / "training-brief.md").write_text(task.sample_brief("sft-lora"))
     task.write_jsonl(task.sft_conversations(400, seed=0), inbox / "repeat-words.jsonl")
@@ -182,9 +174,7 @@ def world(slurm_cluster, tiny_model_dir, tmp_path_factory):  # noqa: F811
 
     prep = anyio.run(setup)
     exp = root / "experiments" / "trainings" / EXP
-    base = yaml.safe_load((exp / "configs" / "base.yaml").read_text())
-    train_file = next(Path(v) for v in _walk(base) if isinstance(v, str) and v.endswith("train.jsonl"))
-    build_fixture_experiment(root, train_file, exp / "env-report.json")
+    build_fixture_experiment(root, Path(prep["dataset_dir"]) / "train.jsonl", exp / "env-report.json")
     w.timings["setup_s"] = time.monotonic() - t0
     w.timings["timeout_launched"] = time.monotonic()
     w.launch("timeout", experiment=FX, time_limit="1")

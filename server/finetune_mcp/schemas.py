@@ -51,7 +51,8 @@ class PrepareDatasetResult(Result):
     converted_from: str | None = None
     dataset_dir: str | None = None
     counts: dict[str, int] = Field(default_factory=dict)
-    problems: list[Problem] = Field(default_factory=list)
+    problems: list[Problem] = Field(default_factory=list, description="listed one by one, up to the skill's listed_per_code per code and severity")
+    problem_counts: dict[str, dict[str, int]] = Field(default_factory=dict, description="code -> {error, warning} counts, listed or not")
     packing: dict[str, Any] | None = None
     decoded_samples: list[str] = Field(default_factory=list)
     files: list[str] = Field(default_factory=list)

@@ -26,6 +26,7 @@ _SPLIT_WORDS = re.compile(r"(^|[-_.])(test|valid|validation|eval|dev)([-_.]|$)",
 _TRAIN_WORD = re.compile(r"(^|[-_.])train([-_.]|$)", re.I)
 # Columns of a CSV that hold JSON (lists of messages and the like) rather than plain text.
 _JSON_COLUMNS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected", "images", "tools")
+_TEXT_OR_JSON = ("prompt", "completion", "chosen", "rejected")  # standard (text) rows use these too
 
 
 # ---------------------------------------------------------------- problems
@@ -37,7 +38,7 @@ def problem(severity: str, code: str, message: str, *, file: str | None = None, 
 
 
 class Sink:
-    """Collects problems; lists the first `per_code` of each code and counts the rest."""
+    """Collects problems; lists the first `per_code` of each code and severity and counts the rest."""
 
     def __init__(self, per_code: int = 25):
         self.per_code = per_code
@@ -47,7 +48,8 @@ class Sink:
     def add(self, p: dict) -> None:
         c = self.counts.setdefault(p["code"], {"error": 0, "warning": 0})
         c[p["severity"]] += 1
-        if c["error"] + c["warning"] <= self.per_code:
+        # Counted per severity, so a set-level error after many per-record warnings is still listed.
+        if c[p["severity"]] <= self.per_code:
             self.listed.append(p)
 
     def error(self, code: str, message: str, **where) -> None:
@@ -295,9 +297,12 @@ def _read_csv(data: bytes, f: str, raw: Raw, sink: Sink, delimiter: str) -> None
                 try:
                     val = json.loads(val)
                 except (json.JSONDecodeError, RecursionError) as e:
-                    sink.error("malformed-json", f"the {col} cell is not valid JSON: {getattr(e, 'msg', 'nested too deeply')}", file=f, line=line, field=col)
-                    bad = True
-                    continue
+                    if col in _TEXT_OR_JSON:
+                        pass  # plain text that happens to start with a bracket, e.g. "[INST] ..."
+                    else:
+                        sink.error("malformed-json", f"the {col} cell is not valid JSON: {getattr(e, 'msg', 'nested too deeply')}", file=f, line=line, field=col)
+                        bad = True
+                        continue
             row[col] = val
         if not bad:
             raw.rows.append(row)

@@ -358,6 +358,11 @@ def export(params: dict[str, Any]) -> dict[str, Any]:
         else:
             smoke["criterion"] = f"similarity >= {params['min_similarity']} for every golden (lossy format)"
             ok = bool(items) and all(i["similarity"] >= float(params["min_similarity"]) for i in items)
+        if any(g.get("output") is not None and not i["matches_verdict"] for g, i in zip(goldens, items)):
+            # What would be exported is not what was judged: the base model or the stack moved since.
+            ok = False
+            notes.append("base + adapter no longer reproduce the golden outputs recorded in the signed verdict: the base model, "
+                         "the libraries or the hardware changed since evaluation; ask for a fresh evaluation before exporting")
         if any(i.get("tokenizer_match") is False for i in items):
             ok = False
             notes.append("llama.cpp tokenizes the golden prompts differently from the HF tokenizer: the pre-tokenizer mapping is wrong")

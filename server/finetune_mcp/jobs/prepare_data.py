@@ -15,7 +15,6 @@ import math
 import os
 import statistics
 import sys
-import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -139,8 +138,22 @@ class Templater:
         from trl.data_utils import _tokenize, common_prefix_length
 
         self._tokenize, self._cpl = _tokenize, common_prefix_length
+        self.processor = None
+        if fmt == "vision":
+            from transformers import AutoProcessor
+
+            try:
+                self.processor = AutoProcessor.from_pretrained(model_path)
+            except Exception:
+                self.processor = None
+            if self.processor is None or getattr(self.processor, "image_processor", None) is None:
+                raise JobError(
+                    f"VLM-SFT needs a vision-language base model, and {model_path} has no image processor",
+                    kind="Refused", where=f"{model_path} (brief ## Base Model)",
+                    fix="name a vision-language model that is in the local HF cache under ## Base Model",
+                )
         try:
-            self.tok = AutoTokenizer.from_pretrained(model_path)
+            self.tok = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(model_path)
         except Exception as e:
             raise JobError(f"cannot load the base model's tokenizer: {type(e).__name__}: {e}", kind="JobFailed", where=model_path) from None
         self.fmt, self.method = fmt, method
@@ -186,6 +199,12 @@ class Templater:
         return {"chat_template": self.chat_template, "tools": tools, **(rec.get("chat_template_kwargs") or {})}
 
     def conversation(self, rec: dict) -> tuple[list[int], list[int]]:
+        if self.processor is not None:
+            # Vision: the text as the processor's template renders it. Image tokens are added by the
+            # processor at batch time and are not counted here; the trainer's collator does the masking.
+            text = self.processor.apply_chat_template(rec["messages"], tokenize=False)
+            ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            return ids, list(ids)
         out = self._tokenize(self.tok, rec["messages"], return_assistant_tokens_mask=True, **self._kw(rec))
         ids = list(out["input_ids"])
         mask = out.get("assistant_masks") or [0] * len(ids)
@@ -251,9 +270,6 @@ class Templater:
 # ---------------------------------------------------------------- near duplicates and the collapse guard
 
 
-_P = 4294967311  # a prime above 2**32: (a*x + b) mod P stays inside uint64 for 32-bit a, x, b
-
-
 def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int | None], int]:
     """For each record the index of an earlier near copy (MinHash Jaccard >= mh["jaccard"]) or None.
     Returns (match, candidate_pairs_checked)."""
@@ -261,33 +277,46 @@ def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int
 
     n = len(texts)
     k = mh["shingle_words"]
-    hashes: list[int] = []
-    offsets: list[int] = []
-    empty = np.zeros(n, dtype=bool)
-    sets: list[frozenset] = []
-    for i, t in enumerate(texts):
-        w = R.words(t)
-        offsets.append(len(hashes))
-        if not w:
-            empty[i] = True
-            hashes.append(zlib.crc32(f"\x00empty{i}".encode()))
-            sets.append(frozenset())
-            continue
-        sh = frozenset(zlib.crc32(" ".join(w[j:j + k]).encode("utf-8", "surrogatepass")) for j in range(max(1, len(w) - k + 1)))
-        sets.append(sh)
-        hashes.extend(sh)
     if n == 0:
         return [], 0
-    x = np.asarray(hashes, dtype=np.uint64)
-    off = np.asarray(offsets, dtype=np.int64)
+    # Words become ids, shingles k consecutive ids mixed into 32 bits, all in numpy; a record shorter than
+    # k words is one shingle of what it has. Ids are assigned in first-seen order, so this is deterministic.
+    vocab: dict[str, int] = {}
+    ids: list[int] = []
+    lens = np.zeros(n, dtype=np.int64)
+    for i, t in enumerate(texts):
+        w = R.words(t)
+        lens[i] = len(w)
+        ids.extend(vocab.setdefault(x, len(vocab) + 1) for x in w)
+    empty = lens == 0
+    wid = np.asarray(ids, dtype=np.uint64)
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    nsh = np.where(lens >= k, lens - k + 1, 1)
+    nsh[empty] = 1
+    off = np.concatenate(([0], np.cumsum(nsh)[:-1])).astype(np.int64)
+    rec_of = np.repeat(np.arange(n), nsh)
+    pos = np.arange(int(nsh.sum())) - np.repeat(off, nsh) + np.repeat(starts, nsh)
+    mult = (np.uint64(0x9E3779B1), np.uint64(0x85EBCA77), np.uint64(0xC2B2AE3D))
+    x = np.zeros(len(pos), dtype=np.uint64)
+    for d in range(k):
+        p_d = pos + d
+        inside = p_d < np.repeat(starts + lens, nsh)
+        v = np.where(inside, wid[np.minimum(p_d, max(len(wid) - 1, 0))] if len(wid) else 0, 0).astype(np.uint64)
+        x = (x * mult[d % 3] + v + np.uint64(d + 1)) & np.uint64(0xFFFFFFFF)
+    x[empty[rec_of]] = (np.uint64(0xFFFFFFFF) - rec_of[empty[rec_of]].astype(np.uint64)) & np.uint64(0xFFFFFFFF)
+
+    def shingles(i: int) -> set:
+        return set(x[off[i]:off[i] + nsh[i]].tolist())
+
     rng = np.random.default_rng(seed + 7919)
     perm = mh["num_perm"]
-    a = rng.integers(1, 2**32 - 1, size=perm, dtype=np.uint64)
-    b = rng.integers(0, 2**32 - 1, size=perm, dtype=np.uint64)
-    sig = np.empty((perm, n), dtype=np.uint64)
+    # Multiply-shift hashing (a odd): (a*x + b) mod 2**64, top 32 bits; one independent hash per permutation.
+    a = rng.integers(0, 2**63 - 1, size=perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    b = rng.integers(0, 2**63 - 1, size=perm, dtype=np.uint64)
+    sig = np.empty((perm, n), dtype=np.uint32)
     step = 8
     for s0 in range(0, perm, step):
-        vals = (a[s0:s0 + step, None] * x[None, :] + b[s0:s0 + step, None]) % np.uint64(_P)
+        vals = ((a[s0:s0 + step, None] * x[None, :] + b[s0:s0 + step, None]) >> np.uint64(32)).astype(np.uint32)
         sig[s0:s0 + step] = np.minimum.reduceat(vals, off, axis=1)
     bands = mh["bands"]
     rows = perm // bands
@@ -328,7 +357,7 @@ def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int
     cand = np.flatnonzero(sim >= thr - 0.2)
     hit = np.zeros(len(lo), dtype=bool)
     for c in cand:
-        a_set, b_set = sets[lo[c]], sets[hi[c]]
+        a_set, b_set = shingles(int(lo[c])), shingles(int(hi[c]))
         hit[c] = len(a_set & b_set) >= thr * len(a_set | b_set)
     best = np.full(n, n, dtype=np.int64)
     np.minimum.at(best, hi[hit], lo[hit])
@@ -606,6 +635,7 @@ def prepare(P: dict) -> dict:
     trainer = _trainer_settings(fmt, method, seq_len, packing, checked.reference_field)
     meta = {
         "name": P.get("name"),
+        "experiment": P.get("experiment"),
         "method": method,
         "format": fmt,
         "conversion": checked.conversion,
@@ -689,10 +719,9 @@ def _pack_and_decode(tp: Templater, seqs, train_idx, origins, seq_len: int, dec:
     multi = sum(1 for s in seq_lengths if len(s) > 1)
 
     # Which record each packed sample came from: match the token sequences back.
-    by_seq: dict[bytes, list[int]] = {}
+    by_seq: dict[tuple, list[int]] = {}
     for i in train_idx:
-        key = hashlib.blake2b(json.dumps(seqs[i][0][1][:seq_len]).encode(), digest_size=16).digest()
-        by_seq.setdefault(key, []).append(i)
+        by_seq.setdefault(tuple(seqs[i][0][1][:seq_len]), []).append(i)
 
     want = min(dec["max"], rows)
     # Prefer rows that hold several samples: boundaries are what needs inspecting.
@@ -714,8 +743,7 @@ def _pack_and_decode(tp: Templater, seqs, train_idx, origins, seq_len: int, dec:
         start = 0
         for k, L in enumerate(ex["seq_lengths"]):
             seg = row_ids[start:start + L]
-            key = hashlib.blake2b(json.dumps(seg).encode(), digest_size=16).digest()
-            cands = by_seq.get(key) or []
+            cands = by_seq.get(tuple(seg)) or []
             rec = cands.pop(0) if cands else None
             src = f"record {origins[rec][2]} ({_loc(origins, rec)})" if rec is not None else "record unknown"
             lines.append(f"{SAMPLE_RULE} sample {k + 1}: {src}, tokens {start}-{start + L - 1} {SAMPLE_RULE}")

@@ -579,7 +579,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
     cites.append(skills.table(SKILL, "backends").cite)
     cites.append(skills.table(SKILL, "unsloth-trl-mapping").cite)
     if mem:
-        cites.append(mem["cite"])
+        cites += [skills.table(SKILL, "rules").budget.cite, mem["cite"]]
     citations = [skills.cite(*c.split("#")) for c in dict.fromkeys(cites)]
 
     # ---- files

@@ -119,6 +119,7 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
                     eval_fraction: float = 0.05) -> S.PrepareDatasetResult:
     if not isinstance(eval_fraction, (int, float)) or isinstance(eval_fraction, bool) or not (0 <= eval_fraction < 0.5):
         raise BadInput(f"eval_fraction {eval_fraction!r} is out of range", where="eval_fraction", fix="use a fraction from 0 up to (not including) 0.5, e.g. 0.05")
+    pc = _monotonic(pc)
     pc.progress(0, _TOTAL, "reading the brief")
     brief_real = pc.guard.check_read(brief_path, "brief_path")
     brief_text = _read_brief_text(brief_real)
@@ -171,6 +172,22 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
     return _finish(pc, brief, exp_dir, name, final_dir, src, model, job, tables, eval_fraction)
 
 
+def _monotonic(pc: PhaseContext) -> PhaseContext:
+    """MCP progress must increase with every notification; stages that report the same point are nudged."""
+    last = [-1.0]
+
+    def report(done, total=None, message=None):
+        done = float(done)
+        if done <= last[0]:
+            done = min(last[0] + 1e-3, float(total or _TOTAL))
+            if done <= last[0]:
+                return
+        last[0] = done
+        pc.progress(done, total, message)
+
+    return pc.with_progress(report if pc.progress_fn else None)
+
+
 def _read_brief_text(path: Path) -> str:
     try:
         return path.read_bytes().decode("utf-8-sig")
@@ -183,7 +200,7 @@ def _read_brief_text(path: Path) -> str:
 
 
 def _path_ok(pc: PhaseContext):
-    roots = list(pc.guard.read_roots)
+    """Image paths named by records must be readable under the role's policy, like the source itself."""
 
     def ok(p: Path) -> bool:
         try:
@@ -192,11 +209,11 @@ def _path_ok(pc: PhaseContext):
         except FtError:
             return False
 
-    ok.roots = roots  # type: ignore[attr-defined]
     return ok
 
 
 def _open_experiment(pc: PhaseContext, exp_dir: Path, brief: Brief, brief_text: str) -> None:
+    """Copy the brief in (and a README when there is none) and commit them, whatever the data turns out to be."""
     pc.guard.write_text(exp_dir / BRIEF_FILE, brief_text)
     readme = exp_dir / "README.md"
     if not readme.exists():
@@ -206,6 +223,7 @@ def _open_experiment(pc: PhaseContext, exp_dir: Path, brief: Brief, brief_text: 
             f"- Base model: {brief.base_model}\n- Method: {brief.method_label}\n- Deployment target: {brief.deployment_target}\n\n"
             "Phase 2 writes data/ (prepare.py, dataset-card.md, validation-report.md); later phases add configs/, "
             "train.py and train.sh. Key results and gotchas go here as runs finish.\n"))
+    commit(pc.ws.experiments_repo, [exp_dir / BRIEF_FILE, readme], f"prepare_dataset: open {exp_dir.name} from its brief")
 
 
 def _run_prepare(pc: PhaseContext, brief: Brief, src: dict, model, name: str, final_dir: Path, tables: dict, eval_fraction: float) -> dict:
@@ -242,6 +260,7 @@ def _size_hint(src: dict) -> int:
 def _job_params(brief: Brief, src: dict, model, name: str, tables: dict, eval_fraction: float, roots: list[str]) -> dict:
     return {
         "name": name,
+        "experiment": brief.experiment,
         "source": {k: v for k, v in src.items() if k != "given"},
         "model_path": model.load_path,
         "method": brief.method,
@@ -334,6 +353,7 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
         dataset_dir=str(final_dir) if ok else None,
         counts=counts,
         problems=problems,
+        problem_counts=job.get("problem_counts") or {},
         packing=job.get("packing"),
         decoded_samples=job.get("decoded_samples") or [],
         files=[str(p) for p in written] + ([str(final_dir / f) for f in ("train.jsonl", "eval.jsonl", "meta.json")] if ok else []),
@@ -452,6 +472,8 @@ def _report(brief: Brief, name: str, final_dir: Path, src: dict, job: dict, tabl
             L.append(f"| {p['severity']} | {p['code']} | {loc} | {'' if p.get('record') is None else p['record']} | {p.get('field') or ''} | {msg} |")
         L.append("")
     if not ok:
+        if (final_dir / "meta.json").is_file():
+            L += [f"{final_dir} still holds the dataset an earlier run prepared; data/dataset-card.md describes that one.", ""]
         return "\n".join(L)
     tok = job.get("tokens") or {}
     tpl = job.get("template") or {}
@@ -513,6 +535,8 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
     except (OSError, ValueError):
         pass
     license_text, license_src = _license(src)
+    if license_text is None and brief.dataset_expectation.get("license"):
+        license_text, license_src = str(brief.dataset_expectation["license"]), "the brief's Dataset Expectation"
     spec = tables["formats"]["formats"].get(job.get("format") or "", {})
     risks: list[str] = []
     if license_text is None:

@@ -137,25 +137,29 @@ def extract_converter(sdist: Path, dest_root: Path) -> Path:
     dest_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest_root))
     try:
-        with tarfile.open(sdist, "r:gz") as tf:
-            members = []
-            for m in tf.getmembers():
-                parts = Path(m.name).parts
-                if "llama.cpp" not in parts:
-                    continue
-                rel = Path(*parts[parts.index("llama.cpp") + 1:]) if parts.index("llama.cpp") + 1 < len(parts) else None
-                if rel is None or not (m.isfile() or m.isdir()):
-                    continue
-                if rel.as_posix() == "convert_hf_to_gguf.py" or rel.parts[0] in ("gguf-py", "conversion"):
-                    m.name = rel.as_posix()
-                    members.append(m)
-            if not any(m.name == "convert_hf_to_gguf.py" for m in members):
-                raise Refused(f"{sdist.name} holds no vendor/llama.cpp/convert_hf_to_gguf.py", where=str(sdist))
-            tf.extractall(tmp, members=members, filter="data")
+        try:
+            with tarfile.open(sdist, "r:gz") as tf:
+                members = []
+                for m in tf.getmembers():
+                    parts = Path(m.name).parts
+                    if "llama.cpp" not in parts[:-1] or not (m.isfile() or m.isdir()):
+                        continue
+                    rel = Path(*parts[parts.index("llama.cpp") + 1:])
+                    if rel.as_posix() == "convert_hf_to_gguf.py" or rel.parts[0] in ("gguf-py", "conversion"):
+                        m.name = rel.as_posix()
+                        members.append(m)
+                if not any(m.name == "convert_hf_to_gguf.py" for m in members):
+                    raise Refused(f"{sdist.name} holds no vendor/llama.cpp/convert_hf_to_gguf.py", where=str(sdist),
+                                  fix="use a llama-cpp-python source distribution (pip download --no-binary :all:), or set " + CONVERTER_ENV)
+                # The "data" filter refuses members that climb out, absolute paths and links leaving the folder.
+                tf.extractall(tmp, members=members, filter="data")
+        except (tarfile.TarError, OSError) as e:
+            raise Refused(f"cannot unpack llama.cpp's converter from {sdist.name}: {type(e).__name__}: {e}", where=str(sdist),
+                          fix=f"fetch a fresh sdist with pip download, or set {CONVERTER_ENV}") from None
         try:
             os.rename(tmp, dest)
         except OSError:
-            if not conv.is_file():
+            if not conv.is_file():  # a concurrent export unpacked it first
                 raise
     finally:
         if tmp.exists():
@@ -264,15 +268,29 @@ def export(pc: PhaseContext, run_id: str, format: str | None = None, target_runt
     report = export_dir / "export-report.md"
     citations = [pc.skills.cite(SKILL, "format-map"), pc.skills.cite(SKILL, "smoke-test"), pc.skills.cite(SKILL, fm.cite), pc.skills.cite(SKILL, rt.cite)]
     citations = list(dict.fromkeys(citations))
-    pc.guard.write_text(report, _export_report(run_id, verdict, rt, fm, why, res, done, converter))
+    # One section per format, each replaced by its next export; export-report.md shows them all.
+    pc.guard.write_text(export_dir / f"export-report.{fm.id}.md", _export_report(run_id, verdict, rt, fm, why, res, done, converter))
+    sections = [export_dir / f"export-report.{f.id}.md" for f in pc.skills.table(SKILL, "format-map").formats]
+    body = "\n\n".join(p.read_text(encoding="utf-8").split("\n", 1)[1].strip() for p in sections if p.is_file())
+    pc.guard.write_text(report, f"# Export report: {run_id}\n\nLatest: {fm.id} for {rt.id}, {'DONE' if done else 'NOT DONE'} ({utc_now()}).\n\n{body}\n")
     arts = [a["path"] for a in res["artifacts"]]
     if done:
         summary = f"exported {run_id} as {fm.id} for {rt.id}; smoke test in {smoke['runtime']} passed ({smoke['criterion']}) on {len(smoke['items'])} goldens"
     elif not smoke.get("ran"):
         summary = f"{fm.id} for {rt.id} written but NOT done: the smoke test could not run in {smoke['runtime']} ({smoke.get('reason')}); run export again where it can"
     else:
-        bad = [i for i in smoke["items"] if not (i["identical"] if fm.lossless else i["similarity"] >= (fm.min_similarity or 1))]
-        summary = f"{fm.id} for {rt.id} written but NOT done: the smoke test failed on {len(bad)} of {len(smoke['items'])} goldens ({smoke['criterion']}); see the report"
+        items = smoke["items"]
+        why_not = []
+        bad = [i for i in items if not (i["identical"] if fm.lossless else i["similarity"] >= (fm.min_similarity or 1))]
+        if bad:
+            why_not.append(f"{len(bad)} of {len(items)} goldens miss the criterion ({smoke['criterion']})")
+        if any(not i["matches_verdict"] for i in items):
+            why_not.append(f"base + adapter no longer reproduce {sum(not i['matches_verdict'] for i in items)} of the verdict's golden outputs")
+        if any(i.get("tokenizer_match") is False for i in items):
+            why_not.append("llama.cpp tokenizes the prompts differently")
+        if smoke.get("modelfile_template_match") is False:
+            why_not.append("the Modelfile template renders the prompts differently")
+        summary = f"{fm.id} for {rt.id} written but NOT done: the smoke test failed — {'; '.join(why_not) or 'see the report'}"
     append_roadbook(pc, r, f"export {fm.id} for {rt.id}: {'done' if done else 'not done'} ({report})")
     return S.ExportResult(
         summary=summary,
@@ -290,18 +308,18 @@ def export(pc: PhaseContext, run_id: str, format: str | None = None, target_runt
 
 def _export_report(run_id: str, verdict: dict, rt, fm, why: list[str], res: dict, done: bool, converter: str | None) -> str:
     smoke = res["smoke"]
-    out = [f"# Export report: {run_id}", "",
+    out = [f"# Export report: {run_id}, {fm.id}", "", f"## {fm.id} for {rt.id}", "",
            f"**{'DONE' if done else 'NOT DONE'}** — {fm.id} for {rt.id}; smoke test in {smoke['runtime']}: "
            + ("passed" if done else ("did not run: " + str(smoke.get("reason")) if not smoke.get("ran") else "FAILED")),
            "", f"Written {utc_now()} under the eval engineer's signed PROMOTE of {verdict['signed_at']} "
            f"(key `{verdict['key_id']}`, adapter sha256 `{verdict['adapter_sha256']}`).", "",
-           "## Choice", "", *[f"- {w}" for w in why], f"- posture: {fm.posture}; container: {fm.container}; {fm.trade_off}", "",
-           "## Artifacts", "", "| path | bytes | sha256 |", "|---|---|---|"]
+           "### Choice", "", *[f"- {w}" for w in why], f"- posture: {fm.posture}; container: {fm.container}; {fm.trade_off}", "",
+           "### Artifacts", "", "| path | bytes | sha256 |", "|---|---|---|"]
     for a in res["artifacts"]:
         out.append(f"| {a['path']} | {a['bytes']} | {a.get('sha256', '(folder: ' + ', '.join(a.get('files', [])) + ')')} |")
     if res.get("commands"):
-        out += ["", "## Commands", "", "```", *res["commands"], "```"]
-    out += ["", "## Smoke test", "", f"Runtime: {smoke['runtime']}. Criterion: {smoke.get('criterion')}. "
+        out += ["", "### Commands", "", "```", *res["commands"], "```"]
+    out += ["", "### Smoke test", "", f"Runtime: {smoke['runtime']}. Criterion: {smoke.get('criterion')}. "
             "Pre-export outputs: base + adapter in transformers (float32, greedy), as at evaluation.", ""]
     if smoke.get("items"):
         out += ["| # | prompt | pre-export | post-export | identical | similarity |" + (" tokenizer match |" if "tokenizer_match" in smoke["items"][0] else ""),
@@ -316,17 +334,18 @@ def _export_report(run_id: str, verdict: dict, rt, fm, why: list[str], res: dict
         if diffs:
             import difflib
 
-            out += ["", "### Differences", ""]
+            out += ["", "#### Differences", ""]
             for it in diffs:
                 out += ["```diff", *difflib.unified_diff([it["pre_export"]], [it["post_export"]], "pre-export", "post-export", lineterm=""), "```"]
         if not all(it["matches_verdict"] for it in smoke["items"]):
-            out += ["", "Note: some pre-export outputs differ from those recorded in the verdict (different machine or library versions)."]
+            out += ["", "Pre-export outputs differ from the golden outputs recorded in the signed verdict on "
+                    f"{sum(not it['matches_verdict'] for it in smoke['items'])} prompt(s): what would be exported is not what was judged."]
     else:
         out.append(f"No outputs: {smoke.get('reason')}.")
     if "modelfile_template_match" in smoke:
         out += ["", f"Modelfile TEMPLATE renders the goldens exactly as the chat template: {'yes' if smoke['modelfile_template_match'] else 'NO'}. "
                 "Ollama itself was not run here; llama.cpp is the engine it embeds, and the GGUF was smoke-tested there."]
     if res.get("notes"):
-        out += ["", "## Notes", "", *[f"- {n}" for n in res["notes"]]]
-    out += ["", "## Versions", "", "```json", json.dumps({**res.get("versions", {}), "converter": converter}, indent=2), "```", ""]
+        out += ["", "### Notes", "", *[f"- {n}" for n in res["notes"]]]
+    out += ["", "### Versions", "", "```json", json.dumps({**res.get("versions", {}), "converter": converter}, indent=2), "```", ""]
     return "\n".join(out)

@@ -540,7 +540,7 @@ def record_verdict(pc: PhaseContext, run_id: str, verdict: str, evidence: str, t
     pc.guard.write_text(report, _promotion_report(block))
     return S.VerdictResult(
         summary=f"{verdict} recorded for {run_id}, signed ({block['key_id']}) over adapter {digest[:12]}…",
-        citations=[],
+        citations=[pc.skills.cite("quantized-export", "verdict-gate")],
         run_id=run_id,
         verdict=verdict,
         adapter_sha256=digest,

@@ -12,7 +12,8 @@ where the trainer prints its log dicts. The source of a run never changes: while
 writes progress.jsonl has not created it yet, polls return nothing and keep the cursor at 0. A
 partial last line (the trainer is mid-write) is not consumed; a poll reads only the bytes after
 the cursor, plus a bounded look-back of at most the spike window when this server has not seen
-the run before.
+the run before. The trainer's printed dicts carry no step: from stdout.log, the n-th record is
+step n x logging_steps (from config.yaml), and mem_gb / temp_c are null.
 """
 
 from __future__ import annotations
@@ -498,6 +499,7 @@ def _records_backward(f, end: int, want: int, parse, max_bytes: int = 8 << 20) -
     pos = end
     tail = b""
     scanned = 0
+    first = True
     while pos > 0 and len(found) < want and scanned < max_bytes:
         step = min(_CHUNK, pos)
         pos -= step
@@ -505,8 +507,11 @@ def _records_backward(f, end: int, want: int, parse, max_bytes: int = 8 << 20) -
         block = f.read(step) + tail
         scanned += step
         lines = block.split(b"\n")
+        if first:
+            lines.pop()  # what follows the last newline is a line still being written, never a record yet
+            first = False
         # lines[0] may be cut at the block start unless we reached the file start.
-        tail = lines[0] if pos > 0 else b""
+        tail = lines[0] if pos > 0 and lines else b""
         complete = lines[1:] if pos > 0 else lines
         for ln in reversed(complete):
             rec = parse(ln)
@@ -664,7 +669,7 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
                         last = {"step": total * every, "loss": last["loss"], "lr": last["lr"], "mem_gb": None, "temp_c": None}
 
     state = run_state(run_dir, run_json, has_records=last is not None)
-    if state.status == "running":
+    if state.status in ("starting", "running") and run_json is not None:
         minutes = stall_minutes()
         since = src_mtime if src_mtime is not None else (run_dir / "run.json").stat().st_mtime
         idle = (time.time() - since) / 60.0
@@ -673,7 +678,7 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
             anomalies.append(S.Anomaly(kind="stalled", step=last["step"] if last else None,
                                        message=f"{what} (threshold {minutes:g} min, FINETUNE_MCP_STALL_MINUTES)"))
 
-    _lifecycle_notes(pc, run_dir, run_id, state, last)
+    _lifecycle_notes(pc, run_dir, run_id, state, last, src)
 
     if last is not None:
         max_steps = config_value(run_dir, "max_steps")
@@ -770,13 +775,25 @@ def _roadbook(pc: PhaseContext, run_dir: Path, event: str, text: str, once: bool
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _lifecycle_notes(pc: PhaseContext, run_dir: Path, run_id: str, state: RunState, last: dict | None) -> None:
+def _first_record(src: _Source, run_dir: Path) -> dict | None:
+    parse = _parse_progress_line if src.kind == "progress" else _parse_stdout_line
+    with open(src.path, "rb") as f:
+        got, _, _, _ = _lines_forward(f, 0, 1, parse)
+    if not got:
+        return None
+    r = got[0][1]
+    return r if src.kind == "progress" else {**r, "step": int(config_value(run_dir, "logging_steps") or 1)}
+
+
+def _lifecycle_notes(pc: PhaseContext, run_dir: Path, run_id: str, state: RunState, last: dict | None,
+                     src: _Source | None) -> None:
     key = str(run_dir)
     with _CACHE_LOCK:
         noted = _NOTED.setdefault(key, set())
     todo = []
-    if last is not None and "first-step" not in noted:
-        todo.append(("first-step", f"poll_progress: first record, step {last['step']} loss {last['loss']:.4g}"))
+    if last is not None and "first-step" not in noted and src is not None:
+        first = _first_record(src, run_dir) or last
+        todo.append(("first-step", f"poll_progress: first record, step {first['step']} loss {first['loss']:.4g}"))
     if state.status in TERMINAL:
         ev = {"succeeded": "finished", "failed": "failed", "stopped": "stopped"}[state.status]
         if ev not in noted:
@@ -817,12 +834,12 @@ def stop_run(pc: PhaseContext, run_id: str, grace_seconds: float = 30.0) -> S.St
                             run_id=run_id, status=state.status, signal_sent=[], checkpoint=_latest_checkpoint(run_dir))
     pc.guard.write_text(run_dir / STOP_MARKER, json.dumps({"requested_at": utc_now(), "by": "stop_run",
                                                            "grace_seconds": grace_seconds}) + "\n")
-    _roadbook(pc, run_dir, "stop-requested", f"stop_run: SIGTERM to the run's process group, SIGKILL after {grace_seconds:g}s")
+    _roadbook(pc, run_dir, "stop-requested", f"stop_run: SIGTERM (the trainer saves a checkpoint), SIGKILL after {grace_seconds:g}s")
     lau = get_launcher(run_json.get("launcher") or "local")
     t0 = time.monotonic()
     sent = lau.stop(run_dir, run_json, float(grace_seconds),
                     tick=lambda what: pc.progress(time.monotonic() - t0, float(grace_seconds), what))
-    if _read_json_file(run_dir / "exit.json") is None:
+    if _read_json_file(run_dir / "exit.json") is None and not lau.alive(run_dir, run_json):
         # The supervisor died without recording the exit (it was killed with the group): record it here.
         atomic_write_json(run_dir / "exit.json", {"returncode": 137, "signal": "SIGKILL", "ended_at": utc_now(),
                                                   "stopped_by": "stop_run", "pid": None, "wrapper_pid": run_json.get("pid"),

@@ -1,0 +1,112 @@
+"""The gate's pieces without a model: the verdict key pair, the signed block, eval suite validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+
+import pytest
+
+from finetune_mcp import signing
+from finetune_mcp.context import PhaseContext
+from finetune_mcp.errors import BadInput, Forbidden, Refused
+from finetune_mcp.phases import gate
+from finetune_mcp.workspace import Workspace
+
+
+def test_key_pair_made_once_private_0600(ws_root):
+    ws = Workspace.from_env()
+    keys: list = []
+    threads = [threading.Thread(target=lambda: keys.append(signing.load_or_create_private_key(ws))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = {signing.key_id(k.public_key()) for k in keys}
+    assert len(keys) == 6 and len(ids) == 1, "concurrent first use must agree on one key"
+    d = signing.key_dir(ws)
+    assert stat.S_IMODE((d / signing.PRIVATE_NAME).stat().st_mode) == 0o600
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert signing.key_id(signing.load_public_key(ws)) in ids
+    assert sorted(p.name for p in d.iterdir()) == [signing.PRIVATE_NAME, signing.PUBLIC_NAME]
+
+
+def test_private_key_readable_by_others_is_refused(ws_root):
+    ws = Workspace.from_env()
+    signing.load_or_create_private_key(ws)
+    os.chmod(signing.key_dir(ws) / signing.PRIVATE_NAME, 0o644)
+    with pytest.raises(Refused, match="readable by others"):
+        signing.load_or_create_private_key(ws)
+
+
+def test_block_round_trip_and_its_failures(ws_root):
+    ws = Workspace.from_env()
+    key = signing.load_or_create_private_key(ws)
+    pub = signing.load_public_key(ws)
+    block = signing.sign_block(key, {"run_id": "e/20260101-0000-a", "verdict": "PROMOTE", "adapter_sha256": "ab" * 32,
+                                     "evidence": "ünïcode ✓", "evidence_sha256": signing.sha256_text("ünïcode ✓"), "signed_at": "t"})
+    text = "# Report\n\nprose\n\n" + signing.render_block(block)
+    assert signing.verify_report(text, pub, "r")["evidence"] == "ünïcode ✓"
+    with pytest.raises(signing.BadSignature, match="more than one"):
+        signing.verify_report(text + "\n" + signing.render_block(block), pub, "r")
+    with pytest.raises(signing.BadSignature, match="malformed"):
+        signing.verify_report(text.replace('"signature": "', '"signature": "!!'), pub, "r")
+    with pytest.raises(signing.BadSignature, match="does not verify"):
+        signing.verify_report(text.replace('"verdict": "PROMOTE"', '"verdict": "REJECT"'), pub, "r")
+    # re-serialised with other spacing and key order, the canonical form still verifies
+    reordered = json.dumps(dict(reversed(list(block.items()))))
+    assert signing.verify_report(signing.MARKER + "\n```json\n" + reordered + "\n```\n", pub, "r")["verdict"] == "PROMOTE"
+
+
+def test_no_key_means_no_verdict_was_ever_signed(ws_root):
+    with pytest.raises(signing.BadSignature, match="no verdict key exists"):
+        signing.load_public_key(Workspace.from_env())
+
+
+def test_training_role_may_not_sign(ws_root):
+    pc = PhaseContext.for_role("training-engineer")
+    with pytest.raises(Forbidden, match="may not sign"):
+        gate.record_verdict(pc, "e/20260101-0000-a", "PROMOTE", "x")
+
+
+@pytest.mark.parametrize("name, content, where", [
+    ("prompts.jsonl", '{"prompt": "a", "expected": "b"}\nnot json\n', "eval/prompts.jsonl:2"),
+    ("prompts.jsonl", '{"prompt": "a"}\n', "eval/prompts.jsonl:1: expected"),
+    ("prompts.jsonl", '{"prompt": "a", "expected": "b", "answer": "c"}\n', "eval/prompts.jsonl:1"),
+    ("goldens.jsonl", '{"prompt": [{"role": "user"}]}\n', "eval/goldens.jsonl:1: prompt"),
+    ("drift.jsonl", '["a"]\n', "eval/drift.jsonl:1"),
+    ("eval.yaml", "thresholds:\n  min_accuracy: high\n", "eval/eval.yaml: thresholds.min_accuracy"),
+    ("eval.yaml", "goldens: 9\n", "eval/eval.yaml: goldens"),
+    ("eval.yaml", "loss: prompts\n", "eval/eval.yaml"),
+])
+def test_suite_files_are_validated_with_their_place(name, content, where):
+    with pytest.raises(BadInput) as e:
+        gate.validate_suite_file(name, content)
+    assert e.value.where == where
+
+
+def test_suite_formats_accepted():
+    rows = gate.validate_suite_file("prompts.jsonl", '{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "expected": "x", "id": 1}\n\n')
+    assert len(rows) == 1
+    assert gate.validate_suite_file("goldens.jsonl", '{"prompt": "p", "output": "o"}\n{"prompt": "q"}\n')[1] == {"prompt": "q"}
+    cfg = gate.validate_suite_file("eval.yaml", "thresholds: {min_accuracy: 0.9, max_drift: null}\nmatch: first_line\ngoldens: 3\n")
+    assert cfg["match"] == "first_line"
+    assert gate.validate_suite_file("notes.md", "anything") is None
+
+
+def test_write_eval_file_stays_in_eval_and_leaves_nothing_on_bad_input(ws_root):
+    ws = Workspace.from_env()
+    (ws.experiments_dir / "exp").mkdir(parents=True)
+    pc = PhaseContext.for_role("eval-engineer")
+    res = gate.write_eval_file(pc, "exp", "eval/prompts.jsonl", '{"prompt": "a", "expected": "b"}\n')
+    assert res.path.endswith("exp/eval/prompts.jsonl") and "1 rows" in res.summary
+    with pytest.raises(BadInput):
+        gate.write_eval_file(pc, "exp", "drift.jsonl", "{oops\n")
+    assert not (ws.experiments_dir / "exp" / "eval" / "drift.jsonl").exists()
+    assert not list((ws.experiments_dir / "exp" / "eval").glob(".*tmp"))
+    (ws.experiments_dir / "exp" / "eval" / "out").symlink_to(ws.experiments_dir / "exp")
+    with pytest.raises(Forbidden):
+        gate.write_eval_file(pc, "exp", "out/train.py", "x")
+    assert not (ws.experiments_dir / "exp" / "train.py").exists()
