@@ -14,8 +14,9 @@ finetune_mcp.embedded.task, and for each runs, side by side:
 
 Sets: "uniform" is task.sft_conversations (every example is 19 tokens, so BFD can hold at most 26 per
 512-token row: an efficiency ceiling of 26*19/512 = 0.965 by arithmetic); "varied" is the same task
-with 1-3 exchanges of 1-8 words, the length mix of a real chat set. Goals: examples/s ratio >= 0.8;
-packing efficiency at seq 512 >= 0.97.
+with 1-3 exchanges of 1-8 words, the length mix of a real chat set. Ours and the baseline alternate
+--rounds times and the best time of each counts, so load from other processes hits both alike.
+Goals: examples/s ratio >= 0.8; packing efficiency at seq 512 >= 0.97.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=50_000)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=2, help="alternate ours and the baseline this many times; the best of each counts")
     ap.add_argument("--out", default=str(HERE / "results" / "bench_prepare.json"))
     a = ap.parse_args()
 
@@ -102,22 +104,31 @@ def main() -> int:
     for name, rows in (("uniform", task.sft_conversations(a.n)), ("varied", varied_conversations(a.n))):
         src = ws.root / "incoming" / f"{name}.jsonl"
         task.write_jsonl(rows, src)
-        p = subprocess.run([sys.executable, "-c", BASELINE, str(model), str(src), str(a.seq), str(tmp / "hf-cache" / name)],
-                           capture_output=True, text=True, timeout=3600)
-        if p.returncode:
-            print(p.stderr[-3000:], file=sys.stderr)
-            return 1
-        base = json.loads(p.stdout.strip().splitlines()[-1])
-        pc = PhaseContext.for_role("training-engineer", ws)
-        t0 = time.perf_counter()
-        res = prepare_dataset(pc, str(brief), str(src), dataset_name=f"bench-{name}")
-        ours_s = time.perf_counter() - t0
-        if not res.complete:
-            print(res.text(), file=sys.stderr)
-            return 1
+        # Alternate the two so that load from other processes on the machine hits both alike; keep the best.
+        bases, ours = [], []
+        for k in range(a.rounds):
+            p = subprocess.run([sys.executable, "-c", BASELINE, str(model), str(src), str(a.seq), str(tmp / "hf-cache" / f"{name}-{k}")],
+                               capture_output=True, text=True, timeout=3600)
+            if p.returncode:
+                print(p.stderr[-3000:], file=sys.stderr)
+                return 1
+            bases.append(json.loads(p.stdout.strip().splitlines()[-1]))
+            pc = PhaseContext.for_role("training-engineer", ws)
+            t0 = time.perf_counter()
+            res = prepare_dataset(pc, str(brief), str(src), dataset_name=f"bench-{name}")
+            ours.append(time.perf_counter() - t0)
+            if not res.complete:
+                print(res.text(), file=sys.stderr)
+                return 1
+        base = min(bases, key=lambda b: b["warm_s"])
+        base["imports_s"] = min(b["imports_s"] for b in bases)
+        ours_s = min(ours)
         r = {
             "examples": a.n,
+            "rounds": a.rounds,
             "ours_s": round(ours_s, 2),
+            "ours_all_s": [round(x, 2) for x in ours],
+            "baseline_warm_all_s": [round(b["warm_s"], 2) for b in bases],
             "ours_ex_per_s": round(a.n / ours_s),
             "baseline_warm_s": round(base["warm_s"], 2),
             "baseline_warm_ex_per_s": round(a.n / base["warm_s"]),

@@ -8,7 +8,6 @@ recorded observation (tests/fixtures/observations). Nothing here imports the tra
 
 from __future__ import annotations
 
-import json
 import py_compile
 import re
 import shutil
@@ -22,7 +21,7 @@ from finetune_mcp.embedded import task
 from finetune_mcp.errors import BadInput, Refused
 from finetune_mcp.phases import config as C
 from finetune_mcp.phases import preflight as P
-from finetune_mcp.phases.brief import METHOD_LABELS, METHODS, parse_brief
+from finetune_mcp.phases.brief import METHODS, parse_brief
 from finetune_mcp.workspace import file_state, git
 
 FIX = Path(__file__).parent / "fixtures"
@@ -411,3 +410,36 @@ def test_generate_config_through_mcp(prepared):
             assert bad.is_error and "belongs to GRPO" in bad.content[0].text
 
     anyio.run(main)
+
+
+def test_prompt_completion_rows_train_on_the_completion_not_the_assistant_mask(ws_root, tiny_model_dir):
+    text = task.sample_brief("sft-lora").replace("format: messages", "format: prompt-completion")
+    pc, exp = prepare_experiment(ws_root, tiny_model_dir, "sft-lora", brief_text=text)
+    task.write_jsonl(task.sft_prompt_completion(64, 0), pc.ws.datasets_dir / exp / "train.jsonl")
+    r = C.generate_config(pc, exp, "pc")
+    assert r.resolved["assistant_only_loss"].value is False
+    assert "prompt-completion-loss" in r.resolved["assistant_only_loss"].source
+
+
+def test_finds_what_the_real_prepare_dataset_wrote_under_another_name(ws_root, tiny_model_dir, monkeypatch):
+    """prepare_dataset (the real phase, its worker job included) with a dataset_name of its own, then preflight and
+    generate_config: the config names that dataset and takes its format and template facts from its meta.json."""
+    from finetune_mcp.phases.dataset import prepare_dataset
+
+    pc = PhaseContext.for_role("training-engineer")
+    pc.ws.ensure_dirs()
+    shutil.copytree(tiny_model_dir, pc.ws.base_models_dir / tiny_model_dir.name)
+    brief = ws_root / "brief.md"
+    brief.write_text(task.sample_brief("sft-lora"))
+    src = ws_root / "rows.jsonl"
+    task.write_jsonl(task.sft_conversations(300, 0), src)
+    prep = prepare_dataset(pc, str(brief), str(src), dataset_name="my-words")
+    assert prep.complete, prep.summary
+    monkeypatch.setenv(P.REPLAY_ENV, str(OBS / "cpu-this-machine.json"))
+    P.preflight(pc, prep.experiment)
+    C.generate_config(pc, prep.experiment, "t")
+    base = yaml.safe_load((pc.ws.experiments_dir / prep.experiment / "configs" / "base.yaml").read_text())
+    assert base["data"]["dir"] == str(pc.ws.datasets_dir / "my-words") and base["data"]["format"] == "messages"
+    meta = yaml.safe_load((pc.ws.datasets_dir / "my-words" / "meta.json").read_text())
+    assert meta["chat_template"]["generation_markers"] is True
+    assert _run_yaml(pc, prep.experiment, "t")["hparams"]["assistant_only_loss"] is True

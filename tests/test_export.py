@@ -7,10 +7,8 @@ The workspace is test_gate's world: runs A and B promoted by the eval role's ser
 
 from __future__ import annotations
 
-import base64
 import importlib.util
 import json
-import os
 import shutil
 from pathlib import Path
 

@@ -24,7 +24,6 @@ import pytest
 import yaml
 
 from conftest import mcp_session
-from finetune_mcp.digest import folder_digest
 from finetune_mcp.embedded import task
 from finetune_mcp.workspace import Workspace, commit, ensure_repo
 
@@ -43,38 +42,43 @@ from finetune_mcp.digest import folder_digest
 
 p = json.loads(sys.argv[1])
 torch.set_num_threads(1)
-torch.manual_seed(0)
 tok = AutoTokenizer.from_pretrained(p["model_dir"])
-model = AutoModelForCausalLM.from_pretrained(p["model_dir"], dtype=torch.float32)
-model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
-                                         modules_to_save=["embed_tokens", "lm_head"], task_type="CAUSAL_LM"))
-steps, bs = p["steps"], 16
-enc = []
-for row in task.sft_conversations(max(steps, 1) * bs, seed=0):
-    prompt = tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False)
-    pi = tok(prompt, add_special_tokens=False)["input_ids"]
-    ci = tok(row["messages"][1]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    enc.append((pi + ci, [-100] * len(pi) + ci))
-opt = torch.optim.AdamW([x for x in model.parameters() if x.requires_grad], lr=3e-3)
-sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / max(steps, 1))
-model.train()
-for s in range(steps):
-    batch = enc[s * bs:(s + 1) * bs]
-    n = max(len(a) for a, _ in batch)
-    ids = torch.tensor([a + [tok.pad_token_id] * (n - len(a)) for a, _ in batch])
-    lab = torch.tensor([b + [-100] * (n - len(b)) for _, b in batch])
-    att = torch.tensor([[1] * len(a) + [0] * (n - len(a)) for a, _ in batch])
-    loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
-    loss.backward(); opt.step(); sched.step(); opt.zero_grad()
-out = Path(p["out"])
-model.save_pretrained(out)
-(out / "DIGEST").write_text(folder_digest(out) + "\n")
-print(json.dumps({"final_loss": float(loss.detach()) if steps else None}))
+result = {}
+for out, steps in p["adapters"]:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(p["model_dir"], dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                                             modules_to_save=["embed_tokens", "lm_head"], task_type="CAUSAL_LM"))
+    bs = 16
+    enc = []
+    for row in task.sft_conversations(max(steps, 1) * bs, seed=0):
+        prompt = tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False)
+        pi = tok(prompt, add_special_tokens=False)["input_ids"]
+        ci = tok(row["messages"][1]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        enc.append((pi + ci, [-100] * len(pi) + ci))
+    opt = torch.optim.AdamW([x for x in model.parameters() if x.requires_grad], lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / max(steps, 1))
+    model.train()
+    loss = None
+    for s in range(steps):
+        batch = enc[s * bs:(s + 1) * bs]
+        n = max(len(a) for a, _ in batch)
+        ids = torch.tensor([a + [tok.pad_token_id] * (n - len(a)) for a, _ in batch])
+        lab = torch.tensor([b + [-100] * (n - len(b)) for _, b in batch])
+        att = torch.tensor([[1] * len(a) + [0] * (n - len(a)) for a, _ in batch])
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        loss.backward(); opt.step(); sched.step(); opt.zero_grad()
+    model.save_pretrained(out)
+    Path(out, "DIGEST").write_text(folder_digest(Path(out)) + "\n")
+    result[out] = float(loss.detach()) if loss is not None else None
+print(json.dumps(result))
 '''
 
 
-def train_adapter(model_dir: Path, out: Path, steps: int) -> dict:
-    p = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, json.dumps({"model_dir": str(model_dir), "out": str(out), "steps": steps})],
+def train_adapters(model_dir: Path, adapters: list[tuple[Path, int]]) -> dict:
+    """Real PEFT LoRA trainings (steps=0: the adapter as PEFT initialises it), in one child process."""
+    params = {"model_dir": str(model_dir), "adapters": [(str(o), n) for o, n in adapters]}
+    p = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, json.dumps(params)],
                        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -169,8 +173,8 @@ def build_world(tmp_path_factory, model_dir: Path) -> World:
     shutil.copytree(model_dir, ws.base_models_dir / "finetune-mcp-tiny")
     model_dir = ws.base_models_dir / "finetune-mcp-tiny"
     trained, untrained = base / "adapters" / "trained", base / "adapters" / "untrained"
-    train_adapter(model_dir, trained, steps=300)
-    train_adapter(model_dir, untrained, steps=0)
+    losses = train_adapters(model_dir, [(trained, 300), (untrained, 0)])
+    assert losses[str(trained)] < 0.5, losses
     make_run(ws, RUN_A, trained, model_dir)
     make_run(ws, RUN_B, trained, model_dir)
     make_run(ws, RUN_U, untrained, model_dir)

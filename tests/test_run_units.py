@@ -85,6 +85,10 @@ def test_records_have_exactly_the_seed_shape_and_cursor_pages_through(pc):
     assert [d["step"] for d in seen] == list(range(1, 8))
     assert r.next_cursor == len(body.encode())
     assert r.last.step == 7 and r.status == "succeeded"
+    at_end = R.poll_progress(pc, run_id, cursor=r.next_cursor)  # this server followed the run
+    fresh_server()
+    at_end_cold = R.poll_progress(pc, run_id, cursor=r.next_cursor)
+    assert at_end.records == at_end_cold.records == [] and at_end.last == at_end_cold.last == r.last
 
 
 def test_partial_last_line_is_not_consumed(pc):

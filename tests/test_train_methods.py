@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -263,6 +262,8 @@ def test_qlora_on_cuda(ws_root, tiny_model_dir, backend):
     python = UNSLOTH_PYTHON if backend == "unsloth" else train_python()
     if backend == "unsloth" and not python:
         pytest.skip("SKIPPED LOUDLY: FINETUNE_MCP_UNSLOTH_PYTHON is not set")
+    if subprocess.run([python, "-c", "import bitsandbytes"], capture_output=True).returncode != 0:
+        pytest.skip(f"SKIPPED LOUDLY: bitsandbytes does not import in {python}; QLoRA needs it")
     pc, exp = prepare_experiment(ws_root, tiny_model_dir, "sft-qlora")
     os.environ.pop(P.REPLAY_ENV, None)
     P.preflight(PhaseContext.for_role("training-engineer"), exp)

@@ -432,6 +432,7 @@ class RuleWhen(Strict):
     bf16: bool | None = Field(None, description="the preflight observed bf16 support")
     bitsandbytes: bool | None = Field(None, description="the preflight observed bitsandbytes importable")
     generation_template: bool | None = Field(None, description="the model's chat template marks assistant turns with {% generation %}")
+    format: list[str] | None = Field(None, description="dataset formats (dataset-curation's names)")
 
 
 class Rule(Strict):

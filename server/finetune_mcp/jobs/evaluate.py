@@ -120,7 +120,7 @@ def load_tokenizer(base_model: str):
 
 
 def load_model(path: str, dtype: str = "float32"):
-    """A causal LM for reference outputs. float32 on CPU: the most faithful rendering of the weights."""
+    """A causal LM for reference outputs: float32 (the most faithful rendering of the weights), on the GPU when there is one."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -129,6 +129,8 @@ def load_model(path: str, dtype: str = "float32"):
     except OSError as e:
         raise JobError(f"cannot load model {path!r}: {e}", kind="NotFound", where=path,
                        fix="the base model must be a local folder, a base-models/ name, or an HF id already in the local cache") from None
+    if torch.cuda.is_available():
+        model = model.to("cuda")
     return model.eval()
 
 

@@ -367,14 +367,16 @@ def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int
 
 
 def collapse_metrics(trained: list[str], near_share: float, table: dict, seed: int) -> dict:
+    """The collapse guard's readings over the trained text of each record (see the skill's collapse table)."""
     import random
 
-    order = list(range(len(trained)))
+    tw = [R.words(t) for t in trained]
+    order = list(range(len(tw)))
     random.Random(f"collapse:{seed}").shuffle(order)
     uni, bi = [], []
     budget = table["sample_words"]
     for i in order:
-        w = R.words(trained[i])
+        w = tw[i]
         if not w:
             continue
         take = w[:budget - len(uni)]
@@ -382,18 +384,21 @@ def collapse_metrics(trained: list[str], near_share: float, table: dict, seed: i
         bi += list(zip(take, take[1:]))
         if len(uni) >= budget:
             break
-    lengths = [len(R.words(t)) for t in trained]
+    lengths = [len(w) for w in tw]
     mean = statistics.fmean(lengths) if lengths else 0.0
     cv = (statistics.pstdev(lengths) / mean) if mean > 0 else 0.0
-    openings = Counter(" ".join(R.words(t)[: table["opening_words"]]) for t in trained if R.words(t))
-    top, top_n = (openings.most_common(1)[0] if openings else ("", 0))
+    k = table["opening_words"]
+    opening = [" ".join(w[:k]) if w else None for w in tw]
+    counts = Counter(o for o in opening if o is not None)
+    top, top_n = (counts.most_common(1)[0] if counts else ("", 0))
     return {
         "distinct-1": round(len(set(uni)) / len(uni), 4) if uni else 0.0,
         "distinct-2": round(len(set(bi)) / len(bi), 4) if bi else 0.0,
         "near-duplicate-share": round(near_share, 4),
         "length-cv": round(cv, 4),
-        "top-opening-share": round(top_n / max(sum(openings.values()), 1), 4),
+        "top-opening-share": round(top_n / max(sum(counts.values()), 1), 4),
         "_top_opening": top,
+        "_top_records": [i for i, o in enumerate(opening) if top and o == top][:5],
         "_sample_words": len(uni),
         "_mean_words": round(mean, 2),
     }
@@ -512,9 +517,9 @@ def prepare(P: dict) -> dict:
         sink.error("near-duplicate", field=R.main_field(fmt), message=f"{n_near} of {len(records)} records ({near_share:.1%}) are near copies, above the {rule['fail_above']:.0%} the skill allows ({_some(near_where)})")
     trained_txt = ["\n".join(R.trained_texts(r, fmt, checked.reference_field)) for r in records]
     cvals = collapse_metrics(trained_txt, near_share, collapse, seed)
-    top = cvals["_top_opening"]
-    cvals["_top_where"] = _some([_loc(origins, i) for i, t in enumerate(trained_txt)
-                                 if top and " ".join(R.words(t)[: collapse["opening_words"]]) == top], 5)
+    cvals["_top_where"] = _some([_loc(origins, i) for i in cvals["_top_records"]], 5) + (
+        f" and {int(cvals['top-opening-share'] * len(records)) - len(cvals['_top_records'])} more"
+        if cvals["top-opening-share"] * len(records) > len(cvals["_top_records"]) else "")
     cverdicts = judge_collapse(cvals, collapse, len(records), sink)
 
     # Split by content hash of each cluster's first record.

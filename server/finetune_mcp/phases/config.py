@@ -141,11 +141,26 @@ def _bf16(report: dict) -> bool | None:
     return t.get("bf16") if isinstance(t.get("bf16"), bool) else None
 
 
+def _prepared_name(exp_dir: Path) -> str | None:
+    """The dataset name data/prepare.py (written by prepare_dataset) rebuilds, from its PARAMS block."""
+    script = exp_dir / "data" / "prepare.py"
+    if not script.is_file():
+        return None
+    m = re.search(r'PARAMS = json\.loads\(r"""\n(.*?)\n"""\)', script.read_text(encoding="utf-8", errors="replace"), re.S)
+    try:
+        name = json.loads(m.group(1)).get("name") if m else None
+    except json.JSONDecodeError:
+        return None
+    return name if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) else None
+
+
 def find_dataset(pc, experiment: str) -> tuple[Path, dict]:
-    """The prepared dataset of an experiment: $DGX_SPARK_ROOT/datasets/<experiment>/, or a folder whose
-    meta.json names the experiment. Returns (folder, meta)."""
+    """The prepared dataset of an experiment: the one its data/prepare.py names, else
+    $DGX_SPARK_ROOT/datasets/<experiment>/, else a folder whose meta.json names the experiment.
+    Returns (folder, meta)."""
     root = pc.ws.datasets_dir
-    candidates = [root / experiment]
+    named = _prepared_name(pc.ws.experiments_dir / experiment)
+    candidates = ([root / named] if named else []) + [root / experiment]
     if root.is_dir():
         for meta_path in sorted(root.glob("*/meta.json")):
             try:
@@ -209,7 +224,7 @@ class _Values:
 
 
 def _rule_matches(when, ctx: dict) -> bool:
-    for field in ("platform", "method", "backend", "model"):
+    for field in ("platform", "method", "backend", "model", "format"):
         allowed = getattr(when, field)
         if allowed is not None and ctx.get(field) not in allowed:
             return False
@@ -520,6 +535,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         "platform": platform, "method": method, "backend": chosen, "model": brief.base_model,
         "bf16": _bf16(report), "bitsandbytes": _import_ok(report, "bitsandbytes"),
         "generation_template": _generation_markers(model_ref_path, meta),
+        "format": meta.get("format") or brief.dataset_format,
     }
     applied_rules = []
     for rule in skills.table(SKILL, "rules").rules:

@@ -18,7 +18,7 @@ from typing import Any
 
 from finetune_mcp import schemas as S
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.errors import BadInput, FtError, Refused
+from finetune_mcp.errors import BadInput, Refused
 from finetune_mcp.phases.gate import (
     PROMOTION_REPORT,
     _cell,

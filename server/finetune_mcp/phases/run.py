@@ -105,8 +105,14 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
     run_dir = pc.guard.check_write(pc.ws.output_root / experiment / run_id)
     from finetune_mcp.worker import child_env, train_python
 
+    env = child_env()
+    if device == "cpu":
+        # A CPU run shares its cores (with the server, the agent, other runs). OpenMP threads that
+        # spin while they wait for a core starve everything else: measured here (2 cores, load ~4),
+        # the tiny SFT run did 1.5 steps/s by default and 21.6 with passive waiting.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     spec = RunSpec(run_ref=run_ref, run_dir=run_dir, python=train_python(), nproc=nproc, device=device, gpus=gpus,
-                   env=child_env(), mounts={"output_root": pc.ws.output_root, "datasets": pc.ws.datasets_dir,
+                   env=env, mounts={"output_root": pc.ws.output_root, "datasets": pc.ws.datasets_dir,
                                             "base_models": pc.ws.base_models_dir},
                    options=({"nodes": nodes, "gpus_per_node": gpus_per_node, "partition": partition,
                              "time_limit": time_limit, "account": account} if launcher == "slurm" else {}))
@@ -440,6 +446,7 @@ class _Cache:
     offset: int
     window: collections.deque = field(default_factory=collections.deque)
     ordinal: int = 0  # stdout source: records before offset
+    last: dict | None = None  # the newest record before offset
 
 
 _CACHE: dict[str, _Cache] = {}
@@ -500,8 +507,10 @@ def _records_backward(f, end: int, want: int, parse, max_bytes: int = 8 << 20) -
     tail = b""
     scanned = 0
     first = True
+    block_size = 4096  # the last record or two usually sit in the last few kilobytes
     while pos > 0 and len(found) < want and scanned < max_bytes:
-        step = min(_CHUNK, pos)
+        step = min(block_size, pos)
+        block_size = _CHUNK
         pos -= step
         f.seek(pos)
         block = f.read(step) + tail
@@ -644,6 +653,10 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
                 c.window.extend(r["loss"] for r in prev if math.isfinite(r["loss"]))
                 if src.kind == "stdout":
                     c.ordinal = _count_records(f, cursor, parse)
+                    every = int(config_value(run_dir, "logging_steps") or 1)
+                    c.last = {"step": c.ordinal * every, **prev[-1], "mem_gb": None, "temp_c": None} if prev else None
+                else:
+                    c.last = prev[-1] if prev else None
             got, next_cursor, more, _ = _lines_forward(f, cursor, limit, parse)
             raw = [r for _, r in got]
             if src.kind == "stdout":
@@ -654,10 +667,12 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
             records = raw
             anomalies = _anomalies(records, c.window, rule)
             c.offset = next_cursor
+            if records:
+                c.last = records[-1]
             with _CACHE_LOCK:
                 _CACHE[key] = c
-            if records and not more:
-                last = records[-1]
+            if not more:
+                last = c.last  # nothing newer is complete past next_cursor
             else:
                 tail = _records_backward(f, st.st_size, 1, parse)
                 if tail:

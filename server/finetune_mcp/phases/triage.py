@@ -759,3 +759,148 @@ def triage_log_file(path: Path, *, platform: str | None = None):
         next_step=_next_step(c, rung),
         halt_run=c.failure_class == "divergence",
     )
+
+
+# --- the tool: a run of ours, or any log ---------------------------------------------------------
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_json_dict(path: Path) -> dict | None:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _method_ranges(skills) -> dict:
+    """method -> settled learning-rate range, from every recipe skill (what the divergence check compares to)."""
+    from finetune_mcp.phases.config import all_recipes, recipe_params
+
+    out = {}
+    for method in all_recipes(skills):
+        lr = recipe_params(skills, method).get("learning_rate")
+        rng = getattr(lr, "range", None)
+        if rng:
+            out[method] = list(rng)
+    return out
+
+
+def _method_level(config: dict) -> str | None:
+    m = str(_find(config, "method", "method_id") or "")
+    if not m:
+        return None
+    if "qlora" in m or _find(config, "load_in_4bit") is True:
+        return "qlora"
+    return "full" if m.endswith("full") else "bf16-lora"
+
+
+def _config_history(run_dir: Path) -> list[dict]:
+    """The experiment's config history: every run's resolved config.yaml up to this one, oldest first."""
+    runs = sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p.name <= run_dir.name)
+    return [c for c in (_read_yaml(p / "config.yaml") for p in runs) if c]
+
+
+def _packing_check(pc, config: dict, run_dir: Path):
+    """Re-decode packed samples of the run's dataset with the run's tokenizer and TRL packing (in the worker)."""
+
+    def check():
+        from finetune_mcp.worker import run_job
+
+        res = run_job("packing_check", {"config": config, "run_dir": str(run_dir)}, timeout=600)
+        return {"ok": bool(res.get("ok")), "why": str(res.get("why", ""))}
+
+    return check
+
+
+def triage_failure(pc, run_id: str | None = None, log_path: str | None = None):
+    """The triage_failure tool: exactly one of run_id (a run of ours) or log_path (any training log)."""
+    from finetune_mcp.schemas import CauseCheck, EvidenceLine, TriageResult
+
+    if bool(run_id) == bool(log_path):
+        raise BadInput("give exactly one of run_id or log_path", where="run_id / log_path",
+                       fix="run_id for a run launched here (<experiment>/<YYYYMMDD-HHMM-tag>); log_path for any other training log")
+    if log_path:
+        real = pc.guard.check_read(log_path, "log_path")
+        return triage_log_file(real)
+
+    run_dir = pc.ws.run_dir(run_id)
+    config = _read_yaml(run_dir / "config.yaml")
+    env_report = _read_json_dict(run_dir / "env-report.json")
+    platform = (env_report or {}).get("platform")
+    exit_info = _read_json_dict(run_dir / "exit.json")
+    log = run_dir / "logs" / "stdout.log"
+    text = log.read_bytes().decode("utf-8", errors="replace") if log.is_file() else ""
+    c = classify_text(text, exit_info=exit_info, platform=platform)
+    evidence = [EvidenceLine(file=str(log), line=n, text=t) for n, t in c.evidence]
+
+    # A run that never raised can still have diverged: the progress records show it.
+    progress = run_dir / "logs" / "progress.jsonl"
+    if c.failure_class == "none" and progress.is_file():
+        import json
+
+        recs, lines = [], []
+        for i, raw in enumerate(progress.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            try:
+                d = json.loads(raw.replace("NaN", "null").replace("Infinity", "null"))
+            except ValueError:
+                continue
+            if isinstance(d, dict):
+                recs.append(d)
+                lines.append((i, raw))
+        rc = classify_records(recs)
+        if rc.failure_class == "divergence":
+            by_step = {str(d.get("step")): (n, raw) for (n, raw), d in zip(lines, recs)}
+            ev = []
+            for n, t in rc.evidence:
+                # record evidence refers to records; map it back to verbatim lines of progress.jsonl
+                step = re.search(r'"step":\s*(\d+)', t)
+                n2, raw = by_step.get(step.group(1), (n, t)) if step else (n, t)
+                ev.append(EvidenceLine(file=str(progress), line=n2, text=raw))
+            c, evidence = rc, ev
+
+    cites = [f"{SKILL}#failure-signals"]
+    causes: list[dict] = []
+    rung = None
+    tried: list[str] = []
+    if c.failure_class == "divergence":
+        causes = divergence_causes(config, env_report, _method_ranges(pc.skills), _packing_check(pc, config, run_dir))
+        cites.append(f"{SKILL}#divergence-causes")
+        method = _find(config, "method", "method_id")
+        for skill in ("lora-qlora-recipes", "preference-optimization", "grpo-rlvr-training", "vision-sft"):
+            if skill in pc.skills.skills and method and any(method == m for m in pc.skills.table(skill, "recipes").recipes):
+                cites.append(f"{skill}#learning-rate" if "learning-rate" in pc.skills.get(skill).anchors else f"{skill}#{method}")
+    elif c.failure_class == "oom":
+        tried = rungs_tried(_config_history(run_dir))
+        rung = oom_next_rung(tried, current_method=_method_level(config))
+        cites.append(f"{SKILL}#oom-ladder")
+    elif c.failure_class == "environment" and c.check_id:
+        cites.append(f"spark-preflight#{c.check_id.lower()}")
+
+    kind = c.healthy_or_unrecognised
+    explains = next((x["cause"] for x in causes if x["verdict"] == "explains"), None)
+    summary = f"{c.failure_class}" + (f" ({kind})" if kind else "") + (f", check {c.check_id}" if c.check_id else "")
+    summary += f" in {run_id}: {c.reason}" + (f"; cause: {explains}" if explains else "") + (f"; next rung: {rung.id}" if rung else "")
+    next_step = _next_step(c, rung)
+    if explains:
+        fix = {"precision": "switch to bf16 where the hardware supports it (or fp32), not fp16",
+               "learning-rate": "bring the learning rate back inside the method's settled range",
+               "packing": "re-run prepare_dataset and inspect the decoded packed samples"}[explains]
+        next_step = f"Halt the run (stop_run if it is still going). The first cause that explains it is {explains}: {fix}."
+    return TriageResult(
+        summary=summary, citations=list(dict.fromkeys(cites)), failure_class=c.failure_class, none_reason=kind,
+        evidence=evidence, check_id=c.check_id, causes=[CauseCheck(**x) for x in causes],
+        next_rung=rung.id if rung else None, tried_rungs=tried, next_step=next_step,
+        halt_run=c.failure_class == "divergence",
+    )
