@@ -4,14 +4,14 @@
 # boxes the same tag resolves to the right platform. 25.09 is the CUDA 13.0 release that NVIDIA's
 # DGX Spark Unsloth playbook uses.
 #
-#   docker build -t finetune-mcp .
+#   docker build -t finetune-mcp:gpu .   (the tag the docker launcher uses; FINETUNE_MCP_DOCKER_IMAGE overrides)
 #   docker run --rm -i --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
 #     -v "$HOME/.cache/huggingface:/root/.cache/huggingface" \
 #     -v "$HOME/.triton:/root/.triton" \
 #     -v "${DGX_SPARK_ROOT:-$HOME/dgx-spark}:${DGX_SPARK_ROOT:-$HOME/dgx-spark}" \
 #     -v "${OUTPUT_ROOT:-${DGX_SPARK_ROOT:-$HOME/dgx-spark}/outputs/trainings}:${OUTPUT_ROOT:-${DGX_SPARK_ROOT:-$HOME/dgx-spark}/outputs/trainings}" \
 #     -e DGX_SPARK_ROOT="${DGX_SPARK_ROOT:-$HOME/dgx-spark}" -e OUTPUT_ROOT \
-#     finetune-mcp serve --role training-engineer
+#     finetune-mcp:gpu serve --role training-engineer
 #
 # Caches are bind-mounted at the in-container defaults (HF_HOME untouched); DGX_SPARK_ROOT and
 # OUTPUT_ROOT are mounted at the same path inside and out, so a run dir printed in a log is a path

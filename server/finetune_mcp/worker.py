@@ -57,6 +57,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
+    # On a busy CPU box OpenMP's spinning waits cost several-fold (measured: 1.5 vs 21.6 steps/s).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if extra:
         env.update(extra)
     return env
