@@ -185,9 +185,10 @@ async def lifecycle(root: Path, env: dict[str, str], gguf: str) -> dict:
         for fmt, rt in formats:
             ex = await call(s, "export", {"run_id": run_id, "format": fmt, "target_runtime": rt}, ok=(verdict == "PROMOTE"))
             st = ex.get("smoke_test") or {}
-            for row in st.get("rows", [])[:5]:
-                mark = "=" if row.get("match") else "≠"
-                _w(f"  {mark} {row.get('prompt', '')[:40]!r}: before {row.get('before', '')[:40]!r} after {row.get('after', '')[:40]!r}")
+            for row in st.get("items", [])[:5]:
+                mark = "=" if row.get("identical") else "≈" if row.get("matches_verdict") else "≠"
+                prompt = str(row.get("prompt", "")).replace("\n", " ")
+                _w(f"  {mark} {prompt[:34]!r}: before {str(row.get('pre_export', ''))[:30]!r}  after {str(row.get('post_export', ''))[:30]!r}")
             if ex.get("report"):
                 landed[f"export {fmt}"] = ex["report"]
     return landed
