@@ -12,6 +12,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
+# .ci/llamacpp-setup.sh leaves llama.cpp's source distribution here (it carries the GGUF converter).
+if (REPO / ".ci-cache" / "llama-sdist").is_dir():
+    os.environ.setdefault("FINETUNE_MCP_LLAMA_CPP_SDIST", str(REPO / ".ci-cache" / "llama-sdist"))
+# .ci/unsloth-env.sh builds Unsloth's own training environment here.
+if (REPO / ".venv-unsloth" / "bin" / "python").exists():
+    os.environ.setdefault("FINETUNE_MCP_UNSLOTH_PYTHON", str(REPO / ".venv-unsloth" / "bin" / "python"))
+
 
 def server_command() -> list[str]:
     exe = VENV_BIN / "finetune-mcp"
