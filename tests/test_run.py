@@ -340,10 +340,8 @@ def test_stop_run_and_kill_9_side_by_side(pipeline, monkeypatch):
 
 def test_torchrun_two_cpu_processes(pipeline, monkeypatch):
     pipeline.use(monkeypatch)
-    # eval_at_end off: the generated train.py returns on ranks other than 0 before trainer.evaluate(),
-    # which is a collective under DDP, so rank 0's end-of-run eval loses its peer (templates/train/main.py).
-    # Drop this override once the template evaluates on every rank.
-    pipeline.config("ddp2", max_steps=8, eval_at_end=False)
+    # End-of-run eval stays on: it is a collective under DDP, so this also proves every rank takes part.
+    pipeline.config("ddp2", max_steps=8)
     exp = pipeline.experiment
 
     async def main():

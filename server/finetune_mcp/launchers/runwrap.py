@@ -57,6 +57,81 @@ def _sweep(run_dir: str) -> list[int]:
     return left
 
 
+MEMORY_LIMIT_ENV = "FINETUNE_MCP_RUN_MEMORY_LIMIT_MB"
+
+
+def _memory_cap(run_dir: str) -> dict | None:
+    """Prepare a memory cap for the trainer (FINETUNE_MCP_RUN_MEMORY_LIMIT_MB), so that running out of
+    memory kills this run instead of freezing the machine (a unified-memory DGX Spark can hang whole).
+
+    Prefers a memory cgroup (v2, else v1: the kernel's OOM killer then ends the run with SIGKILL);
+    else RLIMIT_AS (allocations fail inside the trainer). Returns what was set up, or None.
+    """
+    raw = os.environ.get(MEMORY_LIMIT_ENV)
+    if not raw:
+        return None
+    limit = int(float(raw) * 2**20)
+    name = "finetune-mcp-" + os.path.basename(run_dir.rstrip("/"))
+    for base, ver, knob in (("/sys/fs/cgroup", 2, "memory.max"), ("/sys/fs/cgroup/unified", 2, "memory.max"),
+                            ("/sys/fs/cgroup/memory", 1, "memory.limit_in_bytes")):
+        try:
+            if ver == 2:
+                with open(os.path.join(base, "cgroup.controllers")) as f:
+                    if "memory" not in f.read().split():
+                        continue
+            elif not os.path.exists(os.path.join(base, knob)):
+                continue
+            path = os.path.join(base, name)
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, knob), "w") as f:
+                f.write(str(limit))
+            return {"mb": float(raw), "mechanism": f"cgroup-v{ver}", "path": path}
+        except OSError:
+            continue
+    return {"mb": float(raw), "mechanism": "rlimit-as", "path": None}
+
+
+def _enter_cap(cap: dict | None):
+    """A preexec_fn: put the trainer (and so all its children) under the cap before it execs."""
+    if cap is None:
+        return None
+
+    def enter():
+        if cap["mechanism"] == "rlimit-as":
+            import resource
+
+            lim = int(cap["mb"] * 2**20)
+            resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+        else:
+            with open(os.path.join(cap["path"], "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+    return enter
+
+
+def _cap_report(cap: dict | None) -> dict | None:
+    """After the run: did it hit the cap? Then remove the cgroup."""
+    if cap is None:
+        return None
+    out = dict(cap)
+    if cap["path"]:
+        for knob, key in (("memory.failcnt", "failcnt"), ("memory.events", "events"), ("memory.max_usage_in_bytes", "max_usage_bytes"),
+                          ("memory.peak", "max_usage_bytes")):
+            try:
+                with open(os.path.join(cap["path"], knob)) as f:
+                    text = f.read().strip()
+                out[key] = int(text) if text.isdigit() else dict(l.split() for l in text.splitlines() if len(l.split()) == 2)
+            except (OSError, ValueError):
+                pass
+        try:
+            os.rmdir(cap["path"])
+        except OSError:
+            pass
+    ev = out.get("events")
+    out["oom_killed"] = bool((isinstance(ev, dict) and int(ev.get("oom_kill", 0)) > 0) or out.get("failcnt", 0) > 0)
+    return out
+
+
 def _utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -105,9 +180,13 @@ def main(argv: list[str]) -> int:
                                            "ended_at": _utc_now(), "stopped_by": "stop_run" if os.path.exists(stop_path) else None,
                                            "pid": None, "wrapper_pid": os.getpid()})
             return 128 + early[0]
+        cap = _memory_cap(run_dir)
+        if cap:
+            out.write(f"finetune-mcp: trainer memory capped at {cap['mb']:g} MB ({cap['mechanism']})\n".encode())
         try:
             child.append(subprocess.Popen(cmd, cwd=run_dir, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          close_fds=True, restore_signals=True, env={**os.environ, RUN_ENV: run_dir}))
+                                          close_fds=True, restore_signals=True, env={**os.environ, RUN_ENV: run_dir},
+                                          preexec_fn=_enter_cap(cap)))
         except OSError as e:
             out.write(f"finetune-mcp: cannot start {cmd[0]!r}: {e}\n".encode())
             _write_json_atomic(exit_path, {"returncode": 127, "signal": None, "ended_at": _utc_now(),
@@ -127,6 +206,10 @@ def main(argv: list[str]) -> int:
             except InterruptedError:
                 continue
         leftovers = _sweep(run_dir)
+        memory = _cap_report(cap)
+        if memory and memory.get("oom_killed"):
+            out.write(f"finetune-mcp: the memory cap of {memory['mb']:g} MB was reached ({memory['mechanism']}: "
+                      f"{memory.get('events') or ('failcnt ' + str(memory.get('failcnt')))})\n".encode())
         if leftovers:
             out.write(f"finetune-mcp: killed {len(leftovers)} process(es) the trainer left behind: {leftovers}\n".encode())
 
@@ -145,6 +228,7 @@ def main(argv: list[str]) -> int:
         "pid": proc.pid,
         "wrapper_pid": os.getpid(),
         "leftovers_killed": leftovers,
+        "memory_limit": memory,
     })
     return rc if rc < 256 else 1
 

@@ -43,9 +43,26 @@ class StopOnRequest(TrainerCallback):
         Stop.training = True
 
     def on_step_end(self, args, state, control, **kwargs):
-        if Stop.requested:
+        # Under DDP every rank must stop at the same step, or the ranks that go on hang in the
+        # next collective: agree on the flag (any rank asked -> all stop).
+        if _any_rank(Stop.requested):
+            Stop.requested = True
             control.should_save = True
             control.should_training_stop = True
+
+
+def _any_rank(flag):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return bool(flag)
+    import torch
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def report_to():

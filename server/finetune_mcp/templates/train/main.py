@@ -102,6 +102,10 @@ def main(argv=None):
         final = run_dir / "checkpoints" / f"checkpoint-{step}"
         if not final.is_dir():  # the last step was not a save step
             trainer.save_model(str(final))
+        evaluation = None
+        # evaluate() is a collective under DDP: every rank takes part, then only rank 0 writes.
+        if not Stop.requested and eval_ds is not None and script.get("eval_at_end", True):
+            evaluation = {k: _finite(v) for k, v in trainer.evaluate().items()}
         if not trainer.is_world_process_zero():
             return EXIT_STOPPED if Stop.requested else 0
         if Stop.requested:
@@ -109,9 +113,6 @@ def main(argv=None):
             print(f"[train.py] stopped at step {step}; checkpoint {final}", flush=True)
             return EXIT_STOPPED
 
-        evaluation = None
-        if eval_ds is not None and script.get("eval_at_end", True):
-            evaluation = {k: _finite(v) for k, v in trainer.evaluate().items()}
         digest = copy_adapter(final, run_dir / "adapter")
         write_metrics(run_dir, cfg, "succeeded", trainer, started, eval=evaluation,
                       adapter={"path": "adapter", "digest": digest, "from_checkpoint": final.name})
