@@ -129,6 +129,26 @@ def main(argv=None):
         raise
     finally:
         telemetry.close()
+        _leave_process_group(in_step=sys.exc_info()[0] is None)
+
+
+def _leave_process_group(in_step: bool):
+    """Under DDP, ranks leave together: wait for rank 0's writes, then tear the group down.
+
+    A rank that exits with the group still up can abort in gloo's threads ("terminate called
+    without an active exception", SIGABRT) while rank 0 is still writing; one that tears down
+    alone leaves its peer hanging in its own teardown. After a crash nobody waits (a dead peer
+    would never arrive): the launcher ends the others.
+    """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            if in_step:
+                dist.barrier()
+            dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 if __name__ == "__main__":
