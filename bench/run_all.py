@@ -37,10 +37,14 @@ def main() -> int:
     if a.only:
         benches = [b for b in benches if any(o in b.name for o in a.only)]
     rows, sections = [], []
+    env = dict(os.environ)
+    sdist = HERE.parent / ".ci-cache" / "llama-sdist"  # left by .ci/llamacpp-setup.sh: llama.cpp's converter
+    if sdist.is_dir():
+        env.setdefault("FINETUNE_MCP_LLAMA_CPP_SDIST", str(sdist))
     for b in benches:
         t0 = time.monotonic()
         try:
-            p = subprocess.run([sys.executable, str(b)], capture_output=True, text=True, timeout=a.timeout, cwd=HERE.parent)
+            p = subprocess.run([sys.executable, str(b)], capture_output=True, text=True, timeout=a.timeout, cwd=HERE.parent, env=env)
             out, rc = p.stdout + (("\n[stderr]\n" + p.stderr[-3000:]) if p.returncode else ""), p.returncode
         except subprocess.TimeoutExpired:
             out, rc = f"timed out after {a.timeout:.0f}s", -1
