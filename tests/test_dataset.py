@@ -365,3 +365,17 @@ def test_arguments_are_checked(ws):
     with pytest.raises(BadInput, match="## Chosen Method: unknown method 'PPO'"):
         prepare_dataset(context(ws), str(bad_brief), str(FIX / "sharegpt.json"))
     assert nothing_in_datasets(ws)
+
+
+def test_parallel_templating_matches_sequential(tiny_model_dir, monkeypatch):
+    """Large sets are templated in forked workers; the sequences must equal the one-process result."""
+    from finetune_mcp.jobs import prepare_data as job
+
+    tp = job.Templater(str(tiny_model_dir), "messages", "sft-lora")
+    records = task.sft_conversations(job.PARALLEL_MIN_RECORDS + 200, seed=3)
+    records[7] = {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}
+    parallel = list(job._template_all(tp, records))
+    monkeypatch.setattr(job, "PARALLEL_MIN_RECORDS", 10**9)
+    sequential = list(job._template_all(tp, records))
+    assert [k for k, _ in parallel] == [k for k, _ in sequential]
+    assert parallel == sequential

@@ -129,6 +129,34 @@ def _load_hf(hf_id: str, split: str | None) -> R.Raw:
 # ---------------------------------------------------------------- tokenization (TRL's own helpers)
 
 
+# Rendering the Jinja chat template record by record is the bulk of the work; large sets are
+# spread over forked workers (the templater is inherited, not pickled). Order is kept.
+PARALLEL_MIN_RECORDS = 4000
+_TP: "Templater | None" = None
+
+
+def _template_one(rec):
+    try:
+        return ("ok", _TP.sequences(rec))
+    except JobError as e:
+        return ("job-error", e)
+    except Exception as e:
+        return ("error", f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _template_all(tp: "Templater", records: list):
+    global _TP
+    _TP = tp
+    workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1), 8)
+    if workers < 2 or len(records) < PARALLEL_MIN_RECORDS or tp.processor is not None or sys.platform != "linux":
+        yield from map(_template_one, records)
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("fork").Pool(workers) as pool:
+        yield from pool.imap(_template_one, records, chunksize=256)
+
+
 class Templater:
     """Templating and masking as the TRL trainers do it, with the template training will use."""
 
@@ -546,14 +574,14 @@ def prepare(P: dict) -> dict:
     tp = Templater(P["model_path"], fmt, method)
     seqs: list[list[tuple[str, list[int], list[int]]]] = []
     tick = max(1, len(records) // 10)
-    for i, rec in enumerate(records):
-        try:
-            seqs.append(tp.sequences(rec))
-        except JobError:
-            raise
-        except Exception as e:  # a template that raises on this record (e.g. its own role checks)
-            sink.error("chat-template", f"the chat template failed on this record: {type(e).__name__}: {str(e)[:200]}", **_where(origins, i))
+    for i, (kind, out) in enumerate(_template_all(tp, records)):
+        if kind == "job-error":
+            raise out
+        if kind == "error":  # a template that raises on this record (e.g. its own role checks)
+            sink.error("chat-template", f"the chat template failed on this record: {out}", **_where(origins, i))
             seqs.append([])
+        else:
+            seqs.append(out)
         if i % tick == tick - 1:
             _progress(3 + (i + 1) / len(records), f"templated {i + 1}/{len(records)}")
     template_errors = sink.counts_of("chat-template")
