@@ -178,6 +178,17 @@ def _read_jsonl(data: bytes, f: str, raw: Raw, sink: Sink) -> None:
         raw.origins.append((f, lineno))
 
 
+
+def _decode_at(decoder, s: str, pos: int, text: str, base: int, f, sink):
+    """One JSON value at s[pos:], or None after recording where and why it is malformed."""
+    try:
+        return decoder.raw_decode(s, pos)
+    except json.JSONDecodeError as e:
+        sink.error("malformed-json", f"not valid JSON: {e.msg}", file=f, line=_line_of_offset(text, base + e.pos))
+    except RecursionError:
+        sink.error("malformed-json", "JSON nested too deeply", file=f, line=_line_of_offset(text, base + pos))
+    return None
+
 def _read_json(data: bytes, f: str, raw: Raw, sink: Sink) -> None:
     try:
         text = data.decode("utf-8")
@@ -198,14 +209,10 @@ def _read_json(data: bytes, f: str, raw: Raw, sink: Sink) -> None:
                 pos += 1
             if pos >= len(s):
                 break
-            try:
-                obj, end = decoder.raw_decode(s, pos)
-            except json.JSONDecodeError as e:
-                sink.error("malformed-json", f"not valid JSON: {e.msg}", file=f, line=_line_of_offset(text, base + e.pos))
+            decoded = _decode_at(decoder, s, pos, text, base, f, sink)
+            if decoded is None:
                 return
-            except RecursionError:
-                sink.error("malformed-json", "JSON nested too deeply", file=f, line=_line_of_offset(text, base + pos))
-                return
+            obj, end = decoded
             if isinstance(obj, dict) and pos == 0 and end >= len(s.rstrip()):
                 # {"data": [...]} / {"train": [...]} wrappers hold the rows in one list.
                 lists = [k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
@@ -241,14 +248,10 @@ def _read_json(data: bytes, f: str, raw: Raw, sink: Sink) -> None:
             pos += 1
             state = "value"
             continue
-        try:
-            obj, end = decoder.raw_decode(s, pos)
-        except json.JSONDecodeError as e:
-            sink.error("malformed-json", f"not valid JSON: {e.msg}", file=f, line=_line_of_offset(text, base + e.pos))
+        decoded = _decode_at(decoder, s, pos, text, base, f, sink)
+        if decoded is None:
             return
-        except RecursionError:
-            sink.error("malformed-json", "JSON nested too deeply", file=f, line=_line_of_offset(text, base + pos))
-            return
+        obj, end = decoded
         raw.rows.append(obj)
         raw.origins.append((f, _line_of_offset(text, base + pos)))
         pos = end

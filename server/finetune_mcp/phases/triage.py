@@ -764,26 +764,6 @@ def triage_log_file(path: Path, *, platform: str | None = None):
 # --- the tool: a run of ours, or any log ---------------------------------------------------------
 
 
-def _read_yaml(path: Path) -> dict:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except yaml.YAMLError:
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_json_dict(path: Path) -> dict | None:
-    import json
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _method_ranges(skills) -> dict:
     """method -> settled learning-rate range, from every recipe skill (what the divergence check compares to)."""
     from finetune_mcp.phases.config import all_recipes, recipe_params
@@ -808,8 +788,10 @@ def _method_level(config: dict) -> str | None:
 
 def _config_history(run_dir: Path) -> list[dict]:
     """The experiment's config history: every run's resolved config.yaml up to this one, oldest first."""
+    from finetune_mcp.phases.run import _run_config
+
     runs = sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p.name <= run_dir.name)
-    return [c for c in (_read_yaml(p / "config.yaml") for p in runs) if c]
+    return [c for c in map(_run_config, runs) if c]
 
 
 def _packing_check(pc, config: dict, run_dir: Path):
@@ -835,11 +817,13 @@ def triage_failure(pc, run_id: str | None = None, log_path: str | None = None):
         real = pc.guard.check_read(log_path, "log_path")
         return triage_log_file(real)
 
+    from finetune_mcp.phases.run import _read_json_file, _run_config
+
     run_dir = pc.ws.run_dir(run_id)
-    config = _read_yaml(run_dir / "config.yaml")
-    env_report = _read_json_dict(run_dir / "env-report.json")
+    config = _run_config(run_dir)
+    env_report = _read_json_file(run_dir / "env-report.json")
     platform = (env_report or {}).get("platform")
-    exit_info = _read_json_dict(run_dir / "exit.json")
+    exit_info = _read_json_file(run_dir / "exit.json")
     log = run_dir / "logs" / "stdout.log"
     text = log.read_bytes().decode("utf-8", errors="replace") if log.is_file() else ""
     c = classify_text(text, exit_info=exit_info, platform=platform)
