@@ -12,10 +12,16 @@ finetune_mcp.embedded.task, and for each runs, side by side:
             does, assistant mask -> labels) -> trl.data_utils.pack_dataset(seq, "bfd"); timed after its
             imports ("warm", the strict comparison) and including them ("cold", what a fresh process pays)
 
-Sets: "uniform" is task.sft_conversations (every example is 19 tokens, so BFD can hold at most 26 per
-512-token row: an efficiency ceiling of 26*19/512 = 0.965 by arithmetic); "varied" is the same task
-with 1-3 exchanges of 1-8 words, the length mix of a real chat set. Ours and the baseline alternate
---rounds times and the best time of each counts, so load from other processes hits both alike.
+Sets: "dialogues" is task.sft_dialogues, the embedded task's chat set (1-4 repeat-words exchanges per
+conversation, so lengths spread as in a real chat set); "uniform" is task.sft_conversations, one exchange
+each (every example is 19 tokens, so BFD can hold at most 26 per 512-token row: an efficiency ceiling of
+26*19/512 = 0.965 by arithmetic, whatever the packer). Ours and the baseline alternate --rounds times and
+the best time of each counts, so load from other processes hits both alike.
+
+Ours runs the way a server runs it: the job worker is warm (the training stack imported once, each job a
+fresh fork; see finetune_mcp/jobs/_zygote.py), as it is for every job after a server's first, and the
+strict figure compares that with the baseline timed after its imports. A first call, with the worker
+stopped beforehand (cold: it pays the imports), is compared with the baseline including its imports.
 Goals: examples/s ratio >= 0.8; packing efficiency at seq 512 >= 0.97.
 """
 
@@ -24,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -64,21 +69,6 @@ BASELINE = textwrap.dedent('''
 ''')
 
 
-def varied_conversations(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(f"bench-varied:{seed}")
-    rows, seen = [], set()
-    while len(rows) < n:
-        msgs = []
-        for _ in range(rng.randint(1, 3)):
-            words = rng.sample(task.WORDS, rng.randint(1, 8))
-            msgs += [{"role": "user", "content": task.make_prompt(words)}, {"role": "assistant", "content": " ".join(words)}]
-        key = json.dumps(msgs)
-        if key not in seen:
-            seen.add(key)
-            rows.append({"messages": msgs})
-    return rows
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=50_000)
@@ -91,7 +81,7 @@ def main() -> int:
     os.environ["DGX_SPARK_ROOT"] = str(tmp / "root")
     from finetune_mcp.context import PhaseContext
     from finetune_mcp.phases.dataset import prepare_dataset
-    from finetune_mcp.worker import run_job
+    from finetune_mcp.worker import release_warm, run_job
     from finetune_mcp.workspace import Workspace
 
     ws = Workspace.from_env()
@@ -101,9 +91,18 @@ def main() -> int:
     brief.write_text(task.sample_brief("sft-lora").replace("max_seq_length: 64", f"max_seq_length: {a.seq}"))
 
     results = {}
-    for name, rows in (("uniform", task.sft_conversations(a.n)), ("varied", varied_conversations(a.n))):
+    for name, rows in (("dialogues", task.sft_dialogues(a.n)), ("uniform", task.sft_conversations(a.n))):
         src = ws.root / "incoming" / f"{name}.jsonl"
         task.write_jsonl(rows, src)
+        # A first call on a stopped worker: it pays the training stack's imports, as the baseline's cold figure does.
+        release_warm()
+        pc = PhaseContext.for_role("training-engineer", ws)
+        t0 = time.perf_counter()
+        res = prepare_dataset(pc, str(brief), str(src), dataset_name=f"bench-{name}-cold")
+        ours_cold = time.perf_counter() - t0
+        if not res.complete:
+            print(res.text(), file=sys.stderr)
+            return 1
         # Alternate the two so that load from other processes on the machine hits both alike; keep the best.
         bases, ours = [], []
         for k in range(a.rounds):
@@ -132,20 +131,21 @@ def main() -> int:
             "ours_ex_per_s": round(a.n / ours_s),
             "baseline_warm_s": round(base["warm_s"], 2),
             "baseline_warm_ex_per_s": round(a.n / base["warm_s"]),
+            "ours_cold_s": round(ours_cold, 2),
             "baseline_cold_s": round(base["warm_s"] + base["imports_s"], 2),
             "ratio_vs_warm": round(base["warm_s"] / ours_s, 3),
-            "ratio_vs_cold": round((base["warm_s"] + base["imports_s"]) / ours_s, 3),
+            "ratio_cold_vs_cold": round((base["warm_s"] + base["imports_s"]) / ours_cold, 3),
             "ours_packing_efficiency": res.packing["efficiency"],
             "baseline_packing_efficiency": round(base["efficiency"], 4),
             "packed_rows": res.packing["rows"],
         }
         results[name] = r
         print(f"{name}: {json.dumps(r)}", flush=True)
-        print("BENCH " + json.dumps({"figure": f"prepare_dataset examples/s, {name} set, {a.n} examples (vs baseline after its imports)",
+        print("BENCH " + json.dumps({"figure": f"prepare_dataset examples/s, {name} set, {a.n} examples (warm worker vs baseline after its imports)",
                                      "ours": r["ours_ex_per_s"], "baseline": r["baseline_warm_ex_per_s"],
                                      "ratio": r["ratio_vs_warm"], "goal": ">= 0.8"}))
-        print("BENCH " + json.dumps({"figure": f"prepare_dataset vs baseline incl. its imports, {name} set",
-                                     "ours": r["ours_s"], "baseline": r["baseline_cold_s"], "ratio": r["ratio_vs_cold"], "goal": ">= 0.8"}))
+        print("BENCH " + json.dumps({"figure": f"prepare_dataset first call (worker cold) vs baseline incl. its imports, {name} set (s)",
+                                     "ours": r["ours_cold_s"], "baseline": r["baseline_cold_s"], "ratio": r["ratio_cold_vs_cold"], "goal": ">= 0.8"}))
         print("BENCH " + json.dumps({"figure": f"BFD packing efficiency at seq {a.seq}, {name} set",
                                      "ours": r["ours_packing_efficiency"], "baseline": r["baseline_packing_efficiency"],
                                      "goal": ">= 0.97" + (" (ceiling 0.965 for 19-token examples)" if name == "uniform" else "")}))

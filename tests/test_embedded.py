@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,27 @@ def test_rows_have_the_trl_shapes():
     assert pc["prompt"][0]["role"] == "user" and pc["completion"][0]["role"] == "assistant"
     g = task.grpo_prompts(1)[0]
     assert g["answer"] == task.reference_answer(g["prompt"])
+
+
+def test_dialogues_are_distinct_multi_turn_task_conversations_from_the_training_pool(tokenizer):
+    rows = task.sft_dialogues(3000, seed=1)
+    assert rows == task.sft_dialogues(3000, seed=1) and rows != task.sft_dialogues(3000, seed=2)
+    assert len({json.dumps(r) for r in rows}) == len(rows)
+    heldout = {item["prompt"] for item in task.eval_suite(2000)}
+    turns = Counter()
+    for r in rows:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) and 2 <= len(roles) <= 8
+        turns[len(roles) // 2] += 1
+        for user, reply in zip(r["messages"][::2], r["messages"][1::2]):
+            assert user["content"] not in heldout
+            assert reply["content"] == task.reference_answer(user["content"])
+    assert sorted(turns) == [1, 2, 3, 4] and min(turns.values()) > 500
+    # The lengths spread (what packing is judged on); every single-turn row is the same length.
+    lengths = {len(tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"]) for r in rows[:200]}
+    assert len(lengths) == 4
+    with pytest.raises(ValueError):
+        task.sft_dialogues(1, max_exchanges=0)
 
 
 def test_preference_rejected_is_a_wrong_but_plausible_answer():

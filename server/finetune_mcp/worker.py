@@ -6,14 +6,18 @@ stack itself, so it starts fast, stays small and survives a crash of that stack.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,61 +79,259 @@ def run_job(
 ) -> dict[str, Any]:
     """Run finetune_mcp.jobs.<job> in the training Python and return its result dict.
 
+    The job runs in a fresh process either way: forked from the warm worker when one is up for this
+    Python and environment (see jobs/_zygote.py), else started cold as `python -m finetune_mcp.jobs.<job>`.
     Raises the child's own FtError (BadInput, NotFound, ...) or JobFailed with the tail of its stderr.
     """
-    cmd = [python or train_python(), "-m", f"finetune_mcp.jobs.{job}"]
+    py = python or train_python()
+    full_env = child_env(env)
+    warm = _warm_for(py, full_env)
+    if warm is not None:
+        try:
+            return warm.run(job, params, full_env, progress=progress, timeout=timeout)
+        except _WarmUnavailable:
+            pass
+    return _run_cold(job, params, py, full_env, progress, timeout)
+
+
+def _run_cold(job: str, params: dict[str, Any], py: str, env: dict[str, str], progress: ProgressFn | None, timeout: float | None) -> dict[str, Any]:
+    cmd = [py, "-m", f"finetune_mcp.jobs.{job}"]
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=child_env(env), start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
         timer = None
         if timeout:
-            timer = threading.Timer(timeout, lambda: _kill_group(proc))
+            timer = threading.Timer(timeout, lambda: _kill_group(proc.pid))
             timer.start()
-        result: dict[str, Any] | None = None
-        error: dict[str, Any] | None = None
+        reader = _Events(progress)
         try:
             assert proc.stdin and proc.stdout
             proc.stdin.write(json.dumps(params).encode())
             proc.stdin.close()
             for raw in proc.stdout:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("{"):
-                    continue
-                try:
-                    msg = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                ev = msg.get("event")
-                if ev == "progress" and progress:
-                    progress(float(msg.get("done", 0)), msg.get("total"), msg.get("message"))
-                elif ev == "result":
-                    result = msg.get("data") or {}
-                elif ev == "error":
-                    error = msg
+                reader.feed(raw)
             rc = proc.wait()
         finally:
             if timer:
                 timer.cancel()
             if proc.poll() is None:
-                _kill_group(proc)
+                _kill_group(proc.pid)
                 proc.wait()
-        if error is not None:
-            raise from_dict(error)
-        if result is not None and rc == 0:
-            return result
         err.seek(0)
-        tail = err.read().decode("utf-8", "replace")[-4000:]
-        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        return reader.outcome(job, rc, " ".join(cmd), timeout, lambda: err.read().decode("utf-8", "replace"))
+
+
+class _Events:
+    """The parent's side of the JSON-lines protocol: progress passed on, the result or error kept."""
+
+    def __init__(self, progress: ProgressFn | None):
+        self.progress = progress
+        self.result: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.pid: int | None = None
+        self.rc: int | None = None
+        self.expired = False
+
+    def expire(self) -> None:
+        """The job's time is up: kill its process group now, or as soon as its pid is known."""
+        self.expired = True
+        if self.pid is not None:
+            _kill_group(self.pid)
+
+    def feed(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("{"):
+            return
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        ev = msg.get("event")
+        if ev == "progress" and self.progress:
+            self.progress(float(msg.get("done", 0)), msg.get("total"), msg.get("message"))
+        elif ev == "result":
+            self.result = msg.get("data") or {}
+        elif ev == "error":
+            self.error = msg
+        elif ev == "pid":
+            self.pid = int(msg["pid"])
+            if self.expired:
+                _kill_group(self.pid)
+        elif ev == "exit":
+            self.rc = int(msg["rc"])
+
+    def outcome(self, job: str, rc: int | None, where: str, timeout: float | None, stderr: Callable[[], str]) -> dict[str, Any]:
+        if self.error is not None:
+            raise from_dict(self.error)
+        if self.result is not None and rc in (0, None):
+            return self.result
+        tail = stderr()[-4000:]
+        if rc is None:
+            how = "ended without saying how (the warm worker went away)"
+        else:
+            how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
         raise JobFailed(
-            f"job {job} {how} in {cmd[0]}" + (f" (timeout {timeout:.0f}s)" if timeout and rc < 0 else ""),
-            where=" ".join(cmd),
+            f"job {job} {how} in {where.split()[0]}" + (f" (timeout {timeout:.0f}s)" if timeout and rc is not None and rc < 0 else ""),
+            where=where,
             fix="its stderr ends with:\n" + tail if tail.strip() else "check that the training environment has the train extra installed",
         )
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+# --- the warm worker -------------------------------------------------------------------------------------------
+
+class _WarmUnavailable(Exception):
+    """The warm worker cannot take this job (gone, or never came up); run it cold instead."""
+
+
+def warm_enabled() -> bool:
+    return os.environ.get("FINETUNE_MCP_WARM_WORKER", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class _Warm:
+    """One zygote process (jobs/_zygote.py) in the training Python, with the environment jobs get."""
+
+    READY_TIMEOUT_S = 300.0
+
+    def __init__(self, python: str, env: dict[str, str]):
+        self.python, self.env = python, env
+        self.dir = tempfile.mkdtemp(prefix="finetune-mcp-warm-")
+        self.sock = os.path.join(self.dir, "s")
+        self.err = open(os.path.join(self.dir, "zygote.err"), "wb")
+        self.proc = subprocess.Popen(
+            [python, "-m", "finetune_mcp.jobs._zygote", self.sock],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, env=env, start_new_session=True,
+        )
+        self.ready = threading.Event()
+        self.info: dict[str, Any] = {}
+        threading.Thread(target=self._await_ready, name="finetune-mcp-warm-ready", daemon=True).start()
+
+    def _await_ready(self) -> None:
+        assert self.proc.stdout
+        for raw in self.proc.stdout:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            if msg.get("event") == "ready":
+                self.info = msg
+                break
+        self.ready.set()  # also on EOF: run() then sees a dead process
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, job: str, params: dict[str, Any], env: dict[str, str], *, progress: ProgressFn | None, timeout: float | None) -> dict[str, Any]:
+        started = time.monotonic()
+        if not self.ready.wait(self.READY_TIMEOUT_S) or not self.alive() or not self.info:
+            raise _WarmUnavailable()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.sock)
+        except OSError:
+            conn.close()
+            raise _WarmUnavailable() from None
+        fd, err_path = tempfile.mkstemp(prefix="job-err-", dir=self.dir)
+        os.close(fd)
+        reader = _Events(progress)
+        timer = None
+        try:
+            req = {"job": job, "params": params, "env": env, "cwd": os.getcwd(), "stderr": err_path}
+            conn.sendall((json.dumps(req) + "\n").encode())
+            if timeout:
+                # The wait for the worker to come up counts against the job's own limit.
+                timer = threading.Timer(max(0.0, timeout - (time.monotonic() - started)), reader.expire)
+                timer.start()
+            with conn.makefile("rb") as stream:
+                for raw in stream:
+                    reader.feed(raw)
+        finally:
+            if timer:
+                timer.cancel()
+            conn.close()
+        try:
+            with open(err_path, "rb") as f:
+                tail = f.read().decode("utf-8", "replace")
+        finally:
+            os.unlink(err_path)
+        return reader.outcome(job, reader.rc, f"{self.python} -m finetune_mcp.jobs.{job} (forked from the warm worker)", timeout, lambda: tail)
+
+    def close(self) -> None:
+        if self.alive():
+            try:
+                if not self.ready.is_set():
+                    raise OSError("still importing: nothing to wind down")
+                assert self.proc.stdin
+                self.proc.stdin.write(b"exit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=3)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                _kill_group(self.proc.pid)
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream and stream.close()
+            except OSError:
+                pass
+        self.err.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_warm: _Warm | None = None
+# Set afresh by pytest for every test phase and read by nothing a worker preloads. Every other variable
+# counts: a library may read it at import (HF_HOME, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS...), so a change
+# means a new worker. The job's child gets the caller's exact environment either way.
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def _env_key(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in _VOLATILE_ENV}
+
+_warm_lock = threading.Lock()
+
+
+def _warm_for(python: str, env: dict[str, str], start: bool = True) -> _Warm | None:
+    """The warm worker for this Python and environment, started when there is none; None when disabled.
+
+    A job asking for another environment than the current worker's (its own `env=`) runs cold; a change of
+    the server's environment or Python replaces the worker.
+    """
+    global _warm
+    if not warm_enabled():
+        return None
+    with _warm_lock:
+        w = _warm
+        key = _env_key(env)
+        if w is not None and w.alive() and w.python == python and _env_key(w.env) == key:
+            return w
+        if python != train_python() or key != _env_key(child_env(None)):
+            return None  # a one-off Python or environment (a job's own `env=`): cold, and keep the worker
+        if w is not None:
+            w.close()
+            _warm = None
+        if not start:
+            return None
+        _warm = _Warm(python, env)
+        return _warm
+
+
+def prewarm() -> None:
+    """Start the warm worker now (without waiting), so its imports overlap the caller's light work."""
+    _warm_for(train_python(), child_env(None))
+
+
+def release_warm() -> None:
+    """Stop the warm worker and give its memory back (before a training run takes the machine)."""
+    global _warm
+    with _warm_lock:
+        if _warm is not None:
+            _warm.close()
+            _warm = None
+
+
+atexit.register(release_warm)
+
+
+def _kill_group(pid: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass

@@ -161,6 +161,32 @@ def sft_conversations(n: int, seed: int = 0) -> list[Row]:
     return rows
 
 
+def sft_dialogues(n: int, seed: int = 0, max_exchanges: int = 4) -> list[Row]:
+    """Multi-turn SFT rows: 1..max_exchanges repeat-words exchanges per conversation, all distinct.
+
+    Each exchange is the single-turn task (the first one is exactly an sft_conversations row's shape), so
+    what is learnt transfers to eval_suite; the spread of lengths is what a real chat set has, which is
+    what packing efficiency should be judged on (every sft_conversations row has the same length).
+    Triples come from the training pool only, drawn with replacement across conversations.
+    """
+    if max_exchanges < 1:
+        raise ValueError(f"max_exchanges must be at least 1; got {max_exchanges}")
+    pool = _pools()[0]
+    rng = random.Random(f"sft-dialogues:{seed}")
+    rows: list[Row] = []
+    seen: set[tuple[tuple[str, ...], ...]] = set()
+    while len(rows) < n:
+        exchange = tuple(rng.choice(pool) for _ in range(rng.randint(1, max_exchanges)))
+        if exchange in seen:
+            continue
+        seen.add(exchange)
+        messages = []
+        for words in exchange:
+            messages += [{"role": "user", "content": make_prompt(words)}, {"role": "assistant", "content": " ".join(words)}]
+        rows.append({"messages": messages})
+    return rows
+
+
 def sft_prompt_completion(n: int, seed: int = 0) -> list[Row]:
     """SFT rows in the conversational prompt-completion format."""
     return [

@@ -132,6 +132,9 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
         raise BadInput(f"invalid dataset_name {name!r}", where="dataset_name", fix="use letters, digits, '.', '_' and '-' (up to 120), starting with a letter or digit")
     final_dir = pc.guard.check_write(pc.ws.datasets_dir / name, "dataset_name")
     src = resolve_source(pc, source)
+    from finetune_mcp.worker import prewarm
+
+    prewarm()  # the training stack imports in the worker while the light pass runs here
 
     from finetune_mcp.models import resolve_base_model
 

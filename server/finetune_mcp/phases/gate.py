@@ -336,10 +336,11 @@ def _cell(s: Any, n: int = 80) -> str:
 
 
 def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
-    from finetune_mcp.worker import run_job
+    from finetune_mcp.worker import prewarm, run_job
 
     experiment, r, e = run_paths(pc, run_id)
     digest = adapter_digest(r, run_id)
+    prewarm()
     suite = load_suite(e)
     brief = load_run_brief(r, e)
     thresholds, th_source = _thresholds(brief, suite)

@@ -44,8 +44,9 @@ PROBE_TIMEOUT_S = 600  # a first Unsloth import on a GPU box compiles for a whil
 
 def probe(ws, progress=None) -> dict[str, Any]:
     """One observation of this machine: the host (NVML, memory, disks, CPU, container) and the training env."""
-    from finetune_mcp.worker import run_job
+    from finetune_mcp.worker import prewarm, run_job
 
+    prewarm()  # the training Python imports while the host is probed
     host = telemetry.probe_host({"output_root": ws.output_root, "hf_cache": hf_hub_cache()})
     try:
         env = run_job("probe_env", {}, progress=progress, timeout=PROBE_TIMEOUT_S)

@@ -144,6 +144,10 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
                 pc.guard.write_bytes(run_dir / rel, pc.guard.read_bytes(src))
                 copied.append(rel)
         (run_dir / "logs").mkdir()
+        # The run takes the machine (on a unified-memory box, its memory too): the warm job worker steps aside.
+        from finetune_mcp.worker import release_warm
+
+        release_warm()
         rec = lau.start(spec)
         run_json = {"run_id": run_ref, **rec, "launcher": launcher, "created_at": created, "device": device,
                     "gpus": list(gpus), "nproc": nproc, "train_python": spec.python, "experiment_commit": commit}
