@@ -12,10 +12,10 @@ finetune_mcp.embedded.task, and for each runs, side by side:
             does, assistant mask -> labels) -> trl.data_utils.pack_dataset(seq, "bfd"); timed after its
             imports ("warm", the strict comparison) and including them ("cold", what a fresh process pays)
 
-Sets: "dialogues" is task.sft_dialogues, the embedded task's chat set (1-4 repeat-words exchanges per
-conversation, so lengths spread as in a real chat set); "uniform" is task.sft_conversations, one exchange
-each (every example is 19 tokens, so BFD can hold at most 26 per 512-token row: an efficiency ceiling of
-26*19/512 = 0.965 by arithmetic, whatever the packer). Ours and the baseline alternate --rounds times and
+Sets: "dialogues" is task.sft_dialogues, the embedded task's chat set (1-4 exchanges of 2-5 words to
+repeat per conversation, so lengths spread as in a real chat set); "uniform" is task.sft_conversations,
+one exchange of three words each (every example is 19 tokens, so BFD can hold at most 26 per 512-token
+row: an efficiency ceiling of 26*19/512 = 0.965 by arithmetic, whatever the packer). Ours and the baseline alternate --rounds times and
 the best time of each counts, so load from other processes hits both alike.
 
 Ours runs the way a server runs it: the job worker is warm (the training stack imported once, each job a

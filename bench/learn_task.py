@@ -2,6 +2,7 @@
 
     /work/main/.venv/bin/python bench/learn_task.py                    # LoRA + trainable embeddings, seed 0
     /work/main/.venv/bin/python bench/learn_task.py --variants lora-only --seeds 0 1
+    /work/main/.venv/bin/python bench/learn_task.py --data dialogues --max-length 128   # the multi-turn chat set
 
 Builds the model into a temporary root, trains with plain TRL SFTTrainer + PEFT LoRA on the CPU,
 scores greedy answers on held-out prompts with finetune_mcp.embedded.task.score, and prints a table.
@@ -66,7 +67,8 @@ def run_one(model_dir: Path, variant: str, seed: int, args, out_dir: Path) -> di
     heldout = task.eval_suite(args.eval_n, seed=0)
     before = accuracy(model, tokenizer, heldout)
 
-    train = Dataset.from_list(task.sft_conversations(args.examples or args.steps * args.batch_size, seed=seed))
+    generate = task.sft_dialogues if args.data == "dialogues" else task.sft_conversations
+    train = Dataset.from_list(generate(args.examples or args.steps * args.batch_size, seed=seed))
     config = SFTConfig(
         output_dir=str(out_dir),
         max_steps=args.steps,
@@ -74,7 +76,7 @@ def run_one(model_dir: Path, variant: str, seed: int, args, out_dir: Path) -> di
         learning_rate=args.lr,
         lr_scheduler_type="linear",
         warmup_steps=0.05,
-        max_length=64,
+        max_length=args.max_length,
         packing=args.packing,
         assistant_only_loss=True,
         logging_steps=max(args.steps // 10, 1),
@@ -111,6 +113,9 @@ def main() -> int:
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--examples", type=int, default=0, help="training conversations; 0: steps x batch size (one pass unpacked)")
     p.add_argument("--eval-n", type=int, default=200)
+    p.add_argument("--data", choices=["single", "dialogues"], default="single",
+                   help="single: task.sft_conversations (one exchange of three words); dialogues: task.sft_dialogues (1-4 exchanges of 2-5 words)")
+    p.add_argument("--max-length", type=int, default=64)
     args = p.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -127,7 +132,7 @@ def main() -> int:
 
     print()
     print(f"model build: {build_s:.1f}s; steps {args.steps}, batch {args.batch_size}, lr {args.lr:g}, "
-          f"packing {args.packing}, examples {args.examples or args.steps * args.batch_size}, held-out items {args.eval_n}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+          f"packing {args.packing}, data {args.data}, max_length {args.max_length}, examples {args.examples or args.steps * args.batch_size}, held-out items {args.eval_n}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     print(f"| {'variant':<10} | seed | acc before | acc after | loss first | loss last | train s |")
     print(f"|{'-' * 12}|------|------------|-----------|------------|-----------|---------|")
     for r in rows:

@@ -185,23 +185,29 @@ def test_rows_have_the_trl_shapes():
     assert g["answer"] == task.reference_answer(g["prompt"])
 
 
-def test_dialogues_are_distinct_multi_turn_task_conversations_from_the_training_pool(tokenizer):
+def test_dialogues_are_distinct_multi_turn_task_conversations_free_of_heldout_triples(tokenizer):
     rows = task.sft_dialogues(3000, seed=1)
     assert rows == task.sft_dialogues(3000, seed=1) and rows != task.sft_dialogues(3000, seed=2)
     assert len({json.dumps(r) for r in rows}) == len(rows)
-    heldout = {item["prompt"] for item in task.eval_suite(2000)}
-    turns = Counter()
+    heldout = {tuple(item["expected"].split()) for item in task.eval_suite(5000)}
+    turns, sizes = Counter(), Counter()
     for r in rows:
         roles = [m["role"] for m in r["messages"]]
         assert roles == ["user", "assistant"] * (len(roles) // 2) and 2 <= len(roles) <= 8
         turns[len(roles) // 2] += 1
         for user, reply in zip(r["messages"][::2], r["messages"][1::2]):
-            assert user["content"] not in heldout
             assert reply["content"] == task.reference_answer(user["content"])
+            run = reply["content"].split()
+            sizes[len(run)] += 1
+            assert not any(tuple(run[k:k + 3]) in heldout for k in range(len(run) - 2)), run
     assert sorted(turns) == [1, 2, 3, 4] and min(turns.values()) > 500
-    # The lengths spread (what packing is judged on); every single-turn row is the same length.
-    lengths = {len(tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"]) for r in rows[:200]}
-    assert len(lengths) == 4
+    assert sorted(sizes) == [2, 3, 4, 5]
+    # Lengths spread (what packing is judged on), unlike single-turn rows, which all have one length.
+    def n_tokens(r):
+        return len(tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"])
+
+    assert len({n_tokens(r) for r in rows[:300]}) > 10
+    assert len({n_tokens(r) for r in task.sft_conversations(300)}) == 1
     with pytest.raises(ValueError):
         task.sft_dialogues(1, max_exchanges=0)
 

@@ -161,28 +161,34 @@ def sft_conversations(n: int, seed: int = 0) -> list[Row]:
     return rows
 
 
-def sft_dialogues(n: int, seed: int = 0, max_exchanges: int = 4) -> list[Row]:
-    """Multi-turn SFT rows: 1..max_exchanges repeat-words exchanges per conversation, all distinct.
+def sft_dialogues(n: int, seed: int = 0, max_exchanges: int = 4, words: tuple[int, int] = (2, 5)) -> list[Row]:
+    """Multi-turn SFT rows: 1..max_exchanges repeat exchanges of words[0]..words[1] distinct words each.
 
-    Each exchange is the single-turn task (the first one is exactly an sft_conversations row's shape), so
-    what is learnt transfers to eval_suite; the spread of lengths is what a real chat set has, which is
-    what packing efficiency should be judged on (every sft_conversations row has the same length).
-    Triples come from the training pool only, drawn with replacement across conversations.
+    The same skill as the single-turn task (copy the words in order), at lengths that spread the way a
+    real chat set's do, which is what packing efficiency should be judged on: every sft_conversations
+    row is the same length, and whole conversations of them would all be multiples of it. No held-out
+    triple occurs in them, not even inside a longer run of words, so eval_suite stays unseen.
     """
-    if max_exchanges < 1:
-        raise ValueError(f"max_exchanges must be at least 1; got {max_exchanges}")
-    pool = _pools()[0]
+    lo, hi = words
+    if max_exchanges < 1 or not 1 <= lo <= hi <= len(WORDS):
+        raise ValueError(f"need max_exchanges >= 1 and 1 <= words[0] <= words[1] <= {len(WORDS)}; got {max_exchanges}, {words}")
     rng = random.Random(f"sft-dialogues:{seed}")
     rows: list[Row] = []
     seen: set[tuple[tuple[str, ...], ...]] = set()
     while len(rows) < n:
-        exchange = tuple(rng.choice(pool) for _ in range(rng.randint(1, max_exchanges)))
-        if exchange in seen:
+        exchanges: list[tuple[str, ...]] = []
+        target = rng.randint(1, max_exchanges)
+        while len(exchanges) < target:
+            run = tuple(rng.sample(WORDS, rng.randint(lo, hi)))
+            if not any(_triple_is_heldout(run[k:k + N_WORDS]) for k in range(len(run) - N_WORDS + 1)):
+                exchanges.append(run)
+        key = tuple(exchanges)
+        if key in seen:
             continue
-        seen.add(exchange)
+        seen.add(key)
         messages = []
-        for words in exchange:
-            messages += [{"role": "user", "content": make_prompt(words)}, {"role": "assistant", "content": " ".join(words)}]
+        for run in exchanges:
+            messages += [{"role": "user", "content": make_prompt(run)}, {"role": "assistant", "content": " ".join(run)}]
         rows.append({"messages": messages})
     return rows
 
