@@ -43,18 +43,17 @@ def _wait_gone(pid: int, within: float = 30.0) -> bool:
 
 
 def test_a_warm_job_is_a_fresh_child_of_the_zygote_and_matches_a_cold_one(warm, tmp_path, monkeypatch):
-    seen_parents: set[int] = set()
+    seen: list[list[int]] = []
 
     def progress(done, total, message):
-        # The job reporting this is a process whose parent is the zygote, not the caller.
-        me = psutil.Process()
-        jobs = [c for c in me.children(recursive=True) if c.pid != worker._warm.proc.pid]
-        seen_parents.update(c.ppid() for c in jobs)
+        # Whoever reports this is a child of the zygote, not of the caller.
+        seen.append([c.pid for c in psutil.Process(worker._warm.proc.pid).children()])
+        assert not [c for c in psutil.Process().children() if c.pid in seen[-1]]
 
     res_warm = worker.run_job("build_tiny_model", {"target_dir": str(tmp_path / "warm" / "m"), "seed": 0}, progress=progress)
     z = worker._warm
     assert z is not None and z.alive() and "torch" in z.info["preloaded"] and "trl" in z.info["preloaded"]
-    assert seen_parents == {z.proc.pid}
+    assert seen and all(len(pids) == 1 for pids in seen) and len({p for pids in seen for p in pids}) == 1
     monkeypatch.setenv("FINETUNE_MCP_WARM_WORKER", "0")
     res_cold = worker.run_job("build_tiny_model", {"target_dir": str(tmp_path / "cold" / "m"), "seed": 0})
     assert _digests(tmp_path / "warm" / "m") == _digests(tmp_path / "cold" / "m")

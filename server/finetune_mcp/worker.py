@@ -76,8 +76,12 @@ def run_job(
     python: str | None = None,
     timeout: float | None = None,
     env: dict[str, str] | None = None,
+    light: bool = False,
 ) -> dict[str, Any]:
     """Run finetune_mcp.jobs.<job> in the training Python and return its result dict.
+
+    `light`: the job needs none of the stack the warm worker preloads (a plot): it uses the worker
+    only when one is already up, and never starts one for itself.
 
     The job runs in a fresh process either way: forked from the warm worker when one is up for this
     Python and environment (see jobs/_zygote.py), else started cold as `python -m finetune_mcp.jobs.<job>`.
@@ -85,8 +89,8 @@ def run_job(
     """
     py = python or train_python()
     full_env = child_env(env)
-    warm = _warm_for(py, full_env)
-    if warm is not None:
+    warm = _warm_for(py, full_env, start=not light)
+    if warm is not None and (not light or warm.ready.is_set()):
         try:
             return warm.run(job, params, full_env, progress=progress, timeout=timeout)
         except _WarmUnavailable:

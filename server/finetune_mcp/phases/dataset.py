@@ -132,9 +132,6 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
         raise BadInput(f"invalid dataset_name {name!r}", where="dataset_name", fix="use letters, digits, '.', '_' and '-' (up to 120), starting with a letter or digit")
     final_dir = pc.guard.check_write(pc.ws.datasets_dir / name, "dataset_name")
     src = resolve_source(pc, source)
-    from finetune_mcp.worker import prewarm
-
-    prewarm()  # the training stack imports in the worker while the light pass runs here
 
     from finetune_mcp.models import resolve_base_model
 
@@ -156,6 +153,10 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
         except JobError as e:
             raise _err(e) from None
 
+    if light is None or not light["checked"].sink.errors:
+        from finetune_mcp.worker import prewarm
+
+        prewarm()  # a job follows: the worker imports the training stack while the experiment opens
     _open_experiment(pc, exp_dir, brief, brief_text)
     if light is not None and light["checked"].sink.errors:
         c = light["checked"]

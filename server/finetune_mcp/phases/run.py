@@ -762,7 +762,7 @@ def _loss_png(pc: PhaseContext, run_dir: Path, run_id: str, src: _Source | None)
                 got, _, _, _ = _lines_forward(f, 0, 10**9, _parse_stdout_line)
             every = int(config_value(run_dir, "logging_steps") or 1)
             params["points"] = [[(i + 1) * every, r["loss"]] for i, (_, r) in enumerate(got)]
-        run_job("plot_loss", params, timeout=120)
+        run_job("plot_loss", params, timeout=120, light=True)
         return out.read_bytes()
 
 
