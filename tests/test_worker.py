@@ -176,3 +176,19 @@ def test_a_one_off_python_runs_cold_and_keeps_the_worker(warm):
                  if (bindir / n).exists() and str(bindir / n) != sys.executable)
     assert worker.run_job("probe_env", {}, python=other).get("error") is None
     assert worker._warm is z and z.alive()
+
+
+def test_a_job_in_flight_finishes_when_its_worker_is_released(warm, tmp_path):
+    # launch_run releases the worker; a job another client started a moment before must still finish.
+    worker.run_job("probe_env", {})
+    z = worker._warm
+    released: list[bool] = []
+
+    def progress(done, total, message):
+        if not released:
+            worker.release_warm()
+            released.append(True)
+
+    res = worker.run_job("build_tiny_model", {"target_dir": str(tmp_path / "m"), "seed": 0}, progress=progress)
+    assert released and z.proc.returncode is not None and worker._warm is None
+    assert res["built"] is True and (tmp_path / "m" / "config.json").is_file()

@@ -80,11 +80,10 @@ def run_job(
 ) -> dict[str, Any]:
     """Run finetune_mcp.jobs.<job> in the training Python and return its result dict.
 
-    `light`: the job needs none of the stack the warm worker preloads (a plot): it uses the worker
-    only when one is already up, and never starts one for itself.
-
     The job runs in a fresh process either way: forked from the warm worker when one is up for this
     Python and environment (see jobs/_zygote.py), else started cold as `python -m finetune_mcp.jobs.<job>`.
+    `light`: the job needs none of the stack the warm worker preloads (a plot), so it uses the worker
+    only when one is already up and never starts one for itself.
     Raises the child's own FtError (BadInput, NotFound, ...) or JobFailed with the tail of its stderr.
     """
     py = python or train_python()
@@ -233,7 +232,8 @@ class _Warm:
         except OSError:
             conn.close()
             raise _WarmUnavailable() from None
-        fd, err_path = tempfile.mkstemp(prefix="job-err-", dir=self.dir)
+        # Outside self.dir: a job in flight outlives a close() of its worker (a run launched meanwhile).
+        fd, err_path = tempfile.mkstemp(prefix="finetune-mcp-job-err-")
         os.close(fd)
         reader = _Events(progress)
         timer = None
@@ -255,7 +255,7 @@ class _Warm:
             with open(err_path, "rb") as f:
                 tail = f.read().decode("utf-8", "replace")
         finally:
-            os.unlink(err_path)
+            Path(err_path).unlink(missing_ok=True)
         return reader.outcome(job, reader.rc, f"{self.python} -m finetune_mcp.jobs.{job} (forked from the warm worker)", timeout, lambda: tail)
 
     def close(self) -> None:
@@ -288,6 +288,7 @@ _VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 
 def _env_key(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in _VOLATILE_ENV}
+
 
 _warm_lock = threading.Lock()
 
