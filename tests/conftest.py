@@ -27,7 +27,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
     workers finish the suite in about 0.6 of the serial time. The cap keeps a large box from running a
     dozen trainings side by side, which nothing here has measured.
     """
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, 4)
 
 
 def server_command() -> list[str]:
