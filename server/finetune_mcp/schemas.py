@@ -259,16 +259,54 @@ class TriageResult(Result):
 # --- gate and export ---------------------------------------------------------------------
 
 
+class EvalItem(BaseModel):
+    """One task prompt, judged on the base model and on the fine-tuned one."""
+
+    prompt: Any
+    expected: list[str] = Field(description="the accepted answers")
+    scorer: str = Field(description="the scorer that judged it, with options that differ from its defaults, e.g. rouge_l(threshold=0.4)")
+    base_output: str
+    output: str = Field(description="the fine-tuned model's answer")
+    base_correct: bool
+    correct: bool
+    base_score: float = Field(description="1.0 / 0.0, or the ROUGE-L F-measure for rouge_l")
+    score: float
+    change: Literal["improved", "regressed", "unchanged"]
+
+
+class SideBySide(BaseModel):
+    improved: int = 0
+    regressed: int = 0
+    unchanged: int = 0
+
+
+class DriftFigures(BaseModel):
+    kl: float | None = Field(default=None, description="mean per-token KL(base || tuned), nats, on the base model's greedy continuations of general prompts")
+    perplexity_ratio: float | None = Field(default=None, description="perplexity on a general text, fine-tuned / base (1.0 = unchanged)")
+    perplexity_base: float | None = None
+    perplexity_tuned: float | None = None
+    changed_share: float | None = Field(default=None, description="share of general prompts whose greedy answer would change")
+    prompts: int = 0
+    kl_tokens: int | None = None
+    perplexity_tokens: int | None = None
+    prompts_source: str | None = None
+    text_source: str | None = None
+
+
 class EvalResult(Result):
     run_id: str
     task_accuracy: float | None = None
     base_accuracy: float | None = None
     eval_loss: float | None = None
-    drift: float | None = None
+    drift: DriftFigures = Field(default_factory=DriftFigures)
+    side_by_side: SideBySide = Field(default_factory=SideBySide)
+    scorers: dict[str, int] = Field(default_factory=dict, description="scorer label -> prompts it judged")
+    items: list[EvalItem] = Field(default_factory=list, description="every task prompt: base and fine-tuned answers side by side")
     thresholds: dict[str, Any] = Field(default_factory=dict)
     passed: dict[str, bool] = Field(default_factory=dict)
     details: list[dict[str, Any]] = Field(default_factory=list)
     report: str | None = None
+    side_by_side_report: str | None = Field(default=None, description="eval/reports/<run tag>.md: every answer, base beside fine-tuned")
 
 
 class VerdictResult(Result):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
-from finetune_mcp.jobs.evaluate import greedy, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model
+from finetune_mcp.jobs.evaluate import generate_golden_batch, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model
 
 # Runs llama.cpp's converter unchanged, from where it lies, with two run-time adjustments made in
 # memory (the user's files are never edited):
@@ -145,11 +145,7 @@ def similarity(a: str, b: str) -> float:
 
 
 def _smoke_transformers(model, tok, goldens, mnt) -> list[dict[str, Any]]:
-    out = []
-    for g in goldens:
-        text, toks = greedy(model, tok, prompt_ids(tok, g["prompt"]), mnt)
-        out.append({"output": text, "tokens": toks})
-    return out
+    return [{"output": text, "tokens": toks} for text, toks in generate_golden_batch(model, tok, [g["prompt"] for g in goldens], mnt)]
 
 
 def _smoke_llama_cpp(gguf: Path, tok, goldens, mnt, threads: int) -> list[dict[str, Any]]:
