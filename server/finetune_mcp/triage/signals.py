@@ -174,7 +174,10 @@ class Findings:
 
     @property
     def failed(self) -> bool:
-        """The run shows it failed: a traceback, an exception, a kill, a non-zero exit."""
+        """The run shows it failed: a traceback, an exception, a kill, a non-zero exit. A run known to
+        have exited 0 did not fail, whatever error lines it printed on the way."""
+        if self.exit_code == 0 and not self.exit_signal:
+            return False
         kill = any(h.signal.failure_class == "oom" and getattr(h.signal, "explained_by_stop", False) for h in self.hits)
         return bool(self.markers or self.exception or kill or (self.exit_code not in (None, 0)) or self.exit_signal)
 
