@@ -49,7 +49,7 @@ def matrix(rows: list[tuple[str, str]]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--misses", choices=["dev", "heldout"], help="list the misses of this part")
-    ap.add_argument("--json", action="store_true", help="print only the JSON summary line")
+    ap.add_argument("--json", action="store_true", help="print only the summary lines")
     args = ap.parse_args(argv)
 
     cases = load_cases()
@@ -89,6 +89,9 @@ def main(argv=None) -> int:
                 fmts[c["format"]].append(c["class"] == r.failure_class)
         print("\nper format (both parts): " + ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in sorted(fmts.items(), key=lambda kv: -len(kv[1]))))
         print(f"\n{len(cases)} logs triaged in {elapsed:.2f} s")
+    for part in ("heldout", "dev"):
+        print("BENCH " + json.dumps({"figure": f"triage class accuracy, {part} part ({summary[part + '_cases']} real logs)",
+                                     "ours": summary[f"{part}_accuracy"], "goal": ">= 0.90" if part == "heldout" else ""}))
     print(json.dumps({"bench": "triage", **summary}))
     return 0
 
