@@ -53,6 +53,8 @@ class PrepareDatasetResult(Result):
     counts: dict[str, int] = Field(default_factory=dict)
     problems: list[Problem] = Field(default_factory=list, description="listed one by one, up to the skill's listed_per_code per code and severity")
     problem_counts: dict[str, dict[str, int]] = Field(default_factory=dict, description="code -> {error, warning} counts, listed or not")
+    masking: dict[str, Any] | None = Field(default=None, description="conversations: how the assistant's tokens are found (method, end-of-turn, "
+                                           "every way tried and why it failed, row kinds verified, the template's default system prompt)")
     packing: dict[str, Any] | None = None
     decoded_samples: list[str] = Field(default_factory=list)
     files: list[str] = Field(default_factory=list)
@@ -139,9 +141,12 @@ class GenerateConfigResult(Result):
     commit: str
     warnings: list[str] = Field(default_factory=list, description="values outside settled ranges, budget misses, forced backends")
     memory_estimate: dict[str, Any] = Field(default_factory=dict, description="the estimate for the resolved values against the brief's budget")
+    masking: str | None = Field(default=None, description="conversations: the assistant-only masking way train.py uses (config data.masking)")
 
     def text(self) -> str:
         lines = [self.summary, f"backend: {self.backend} — {self.backend_reason}"]
+        if self.masking:
+            lines.append(f"assistant-only masking: {self.masking}")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         lines.append("resolved (value — source):")
