@@ -44,6 +44,10 @@ def test_rise_by_a_factor_after_the_minimum():
     assert "loss-rise" not in _ids(_losses(base + [k * 1.0 * 0.95]))
     # Too little history before the minimum: a start, not a rise.
     assert "loss-rise" not in _ids(_losses([1.0] + [k * 2] * 1))
+    # A converged run's tiny loss wobbling up is not a rise: it does not climb back toward the start.
+    first = 2.0
+    low = first * RULES.rise_back_to / (k * 4)
+    assert "loss-rise" not in _ids(_losses([first, 1.0, 0.5] + [low] * n + [low * k * 1.5]))
 
 
 def test_spike_against_the_rolling_median():

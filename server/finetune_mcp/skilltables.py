@@ -320,6 +320,7 @@ class RecordRules(Strict):
     spike_window: int = Field(ge=1)
     rise_factor: float = Field(gt=1, description="the last loss at this x the minimum before it is a divergence")
     rise_min_history: int = Field(ge=1, description="losses needed before the minimum counts")
+    rise_back_to: float = Field(gt=0, description="and the last loss is at least this fraction of the first: it climbed back, not a converged run's noise")
     flat_identical_run: int = Field(ge=2)
     flat_repeat_window: int = Field(ge=2)
     zero_loss_run: int = Field(ge=2, description="this many logged losses of exactly 0 in a row: nothing is trained")

@@ -269,7 +269,7 @@ def number_hits(metrics: list[Metric], comp: Compiled) -> list[Hit]:
     if len(finite) > rules.rise_min_history:
         last = finite[-1]
         low = min(finite[:-1], key=lambda m: m.loss)
-        if low.loss > 0 and last.loss >= rules.rise_factor * low.loss:
+        if low.loss > 0 and last.loss >= rules.rise_factor * low.loss and last.loss >= rules.rise_back_to * finite[0].loss:
             add("loss-rise", [low, last], f"the loss rose from its minimum {low.loss:g} (line {low.line}) to {last.loss:g} "
                                           f"(line {last.line}), {last.loss / low.loss:.1f}x")
 
