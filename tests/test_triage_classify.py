@@ -52,7 +52,8 @@ def test_a_requested_stop_is_none_stopped_and_outranks_only_the_fallback():
 def test_healthy_reads_none_and_says_what_it_checked():
     ms = [Metric(i, f"l{i}", step=i, loss=2.0 - i / 10) for i in range(1, 8)]
     c = decide(_findings(metrics=ms))
-    assert (c.failure_class, c.healthy_or_unrecognised, c.runner_up) == ("none", "healthy", None)
+    assert (c.failure_class, c.healthy_or_unrecognised) == ("none", "healthy")
+    assert c.runner_up.failure_class == "divergence" and "no other class has evidence" in c.runner_up.why
     assert "7 logged loss values" in c.reason and c.metrics["loss_min"] == 1.3
     bare = decide(_findings())
     assert bare.failure_class == "none" and bare.confidence < c.confidence and bare.missing_evidence
@@ -70,3 +71,6 @@ def test_numbers_alone_say_so_in_missing_evidence():
 def test_to_dict_carries_the_new_fields():
     d = Classification("oom", "r", [(1, "x")], ["cuda-oom"], confidence=0.9).to_dict()
     assert d["evidence"] == [{"line": 1, "text": "x"}] and d["confidence"] == 0.9 and d["runner_up"] is None
+    # Every verdict names a runner-up, even when no other class has evidence.
+    alone = decide(_findings([Hit(SIG["sigkill-in-log"], [(1, "Killed")])]))
+    assert alone.runner_up.failure_class == "environment" and alone.runner_up.confidence < alone.confidence

@@ -129,7 +129,7 @@ def test_fixture_classified(case):
     r = _classify(case)
     assert r.failure_class == case["class"], r.reason
     assert 0 < r.confidence <= 1
-    assert r.runner_up is None or r.runner_up.failure_class != r.failure_class
+    assert r.runner_up is not None and r.runner_up.failure_class != r.failure_class
     if "check" in case:
         assert r.check_id == case["check"], r.reason
     if "none_kind" in case:

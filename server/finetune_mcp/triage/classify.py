@@ -14,6 +14,14 @@ from dataclasses import asdict, dataclass, field
 from finetune_mcp.triage.signals import Findings, Hit, compiled, fallback_rule, find, find_in_records
 
 FAILURE_CLASSES = ("environment", "divergence", "oom")
+# The runner-up when no other class has any evidence: the nearest alternative, with what would make it so.
+ALTERNATIVE = {
+    "oom": ("environment", "no other class has evidence; a kill or allocator failure can also come from the platform "
+                           "(another process holding the memory, a driver fault)"),
+    "environment": ("oom", "no other class has evidence; setup errors often surface while loading a model, when memory is also tightest"),
+    "divergence": ("environment", "no other class has evidence; broken numbers can come from a library or kernel bug rather than the config"),
+    "none": ("divergence", "no other class has evidence; a slowly drifting curve fires no rule"),
+}
 MAX_EVIDENCE = 12
 # A class with several distinct signals is a little surer than with one; capped so that many weak
 # signals never outrank one strong one of another class.
@@ -115,7 +123,9 @@ def _missing(cls: str, deciding: list[Hit], f: Findings, fallback: bool) -> list
         out.append("no error line - the verdict rests on the logged numbers; the run's config (precision, learning rate) names the cause")
     if cls == "none" and not f.metrics:
         out.append("no loss values were found to check the curve; only the absence of failure lines says healthy")
-    if f.exit_code is None and f.exit_signal is None and cls in ("oom", "none"):
+    if f.exit_code is None and f.exit_signal is None and cls == "oom":
+        out.append("the run's exit status is not known (a bare log): exit 137 / -9 would confirm a kill")
+    if f.exit_code is None and f.exit_signal is None and cls == "none":
         out.append("the run's exit status is not known (a bare log): a kill or non-zero exit would change the verdict")
     return out
 
@@ -149,14 +159,14 @@ def decide(f: Findings, *, platform: str | None = None) -> Classification:
                 else "no failure lines and no failure signal")
         reason = f"No failure: {what}." + (f" Known benign lines: {', '.join(sorted({h.id for h in benign}))}." if benign else "") + dropped_note
         conf = 0.8 if summary.get("losses") else 0.6
-        return Classification("none", reason, _evidence(benign), [h.id for h in _order(benign)], None, kind, conf, None,
-                              _missing("none", benign, f, False), summary)
+        return Classification("none", reason, _evidence(benign), [h.id for h in _order(benign)], None, kind, conf,
+                              _alternative("none", conf), _missing("none", benign, f, False), summary)
 
     ranked = sorted(scores.items(), key=lambda kv: (-kv[1], min((h.first for h in by_class.get(kv[0], [])), default=10**12)))
     cls, win = ranked[0]
     runner_cls, runner = ranked[1] if len(ranked) > 1 else (None, 0)
     conf = _confidence(win, runner)
-    runner_up = RunnerUp(runner_cls, _confidence(runner, win), _why_runner(runner_cls, by_class)) if runner_cls else None
+    runner_up = RunnerUp(runner_cls, _confidence(runner, win), _why_runner(runner_cls, by_class)) if runner_cls else _alternative(cls, conf)
 
     if cls == "none":
         hits = _order(stopped)
@@ -193,6 +203,11 @@ def decide(f: Findings, *, platform: str | None = None) -> Classification:
     exc_extra = extra if cls != "divergence" or not all(h.signal.records_rule for h in deciding) else []
     return Classification(cls, reason, _evidence(deciding, exc_extra), [h.id for h in deciding] + [h.id for h in others], check, None,
                           conf, runner_up, _missing(cls, deciding, f, False), summary)
+
+
+def _alternative(cls: str, conf: float) -> RunnerUp:
+    alt, why = ALTERNATIVE[cls]
+    return RunnerUp(alt, round(max(0.01, (1 - conf) / 2), 2), why)
 
 
 def _why_runner(cls: str, by_class: dict[str, list[Hit]]) -> str:
