@@ -61,7 +61,7 @@ def cmd_serve(args) -> int:
 
 def cmd_triage(args) -> int:
     from finetune_mcp.errors import FtError
-    from finetune_mcp.phases.triage import triage_log_file
+    from finetune_mcp.triage import triage_log_file
 
     try:
         result = triage_log_file(Path(args.log))

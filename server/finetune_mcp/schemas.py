@@ -249,6 +249,24 @@ class CauseCheck(BaseModel):
     why: str
 
 
+class RunnerUp(BaseModel):
+    failure_class: Literal["environment", "divergence", "oom", "none"]
+    confidence: float = Field(ge=0, le=1)
+    why: str
+
+
+class MetricsSeen(BaseModel):
+    """What the log's numbers were, as parsed from any format (HF dicts, key=value, tables, JSON, Megatron)."""
+
+    records: int = 0
+    losses: int = 0
+    loss_first: float | None = None
+    loss_min: float | None = None
+    loss_last: float | None = None
+    grad_norm_max: float | None = None
+    loss_scale_last: float | None = None
+
+
 class TriageResult(Result):
     failure_class: Literal["environment", "divergence", "oom", "none"]
     none_reason: Literal["healthy", "unrecognised", "stopped"] | None = None
@@ -259,6 +277,11 @@ class TriageResult(Result):
     tried_rungs: list[str] = Field(default_factory=list)
     next_step: str
     halt_run: bool = False
+    confidence: float | None = Field(None, ge=0, le=1, description="how far the deciding evidence stands above the rest (a ranking, not a calibrated probability)")
+    runner_up: RunnerUp | None = Field(None, description="the next most likely class, when any other class has evidence")
+    signals: list[str] = Field(default_factory=list, description="the signal ids that matched, the deciding one first")
+    missing_evidence: list[str] = Field(default_factory=list, description="what would settle the verdict, where the log lacks it")
+    metrics: MetricsSeen | None = None
 
 
 # --- gate and export ---------------------------------------------------------------------
