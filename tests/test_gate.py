@@ -241,9 +241,10 @@ def test_evaluation_measures_the_trained_adapter_against_the_base(world):
     assert a["passed"] == {"min_accuracy": True, "max_kl": True, "max_perplexity_ratio": True}
     assert a["thresholds"]["min_accuracy"] == {"value": 0.8, "source": "brief ## Evaluation"}
     assert a["thresholds"]["max_kl"] == {"value": 4.0, "source": "eval/eval.yaml"}
-    # the untrained adapter is the base model: same answers, and both drift measures read "no change" exactly
+    # The untrained adapter is the base model: same answers, and both drift measures read "no change" (the KL up to
+    # float rounding: the base distributions come from the cached generation, the tuned ones from one full pass).
     assert u["task_accuracy"] == u["base_accuracy"] == 0.0
-    assert u["drift"]["kl"] == 0.0 and u["drift"]["perplexity_ratio"] == 1.0 and u["drift"]["changed_share"] == 0.0
+    assert u["drift"]["kl"] < 1e-6 and u["drift"]["perplexity_ratio"] == 1.0 and u["drift"]["changed_share"] == 0.0
     assert u["passed"] == {"min_accuracy": False, "max_kl": True, "max_perplexity_ratio": True}
     # training moved the model away from the base on general prompts and text
     assert a["drift"]["kl"] > 0.1 and a["drift"]["perplexity_ratio"] != 1.0

@@ -13,7 +13,7 @@ Params (JSON on stdin):
   max_loss_rows   cap on rows scored for loss (default 256)
   max_new_tokens  for prompts and goldens (default: longest expected answer in tokens + 8)
   drift_max_new_tokens  length of the base model's continuations of the drift prompts (default 32)
-  batch_size      prompts generated together (default 16)
+  batch_size      prompts generated together (default 64); teacher-forced passes batch by a logits memory budget
 
 Generation is batched: left padding, greedy, stopping at the model's end-of-turn ids. The generation
 helpers are shared with the export job, so evaluation and the export smoke test produce their
@@ -25,10 +25,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+
+DEFAULT_BATCH = 64
+LOGITS_BUDGET = 256 * 1024 * 1024  # bytes of float32 logits per teacher-forced pass
 
 
 # ---------------------------------------------------------------- shared with export_model
@@ -72,11 +76,13 @@ def pad_id(tokenizer, eos: list[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 
 
-def generate_ids(model, tokenizer, ids: list[list[int]], max_new_tokens: int, batch_size: int = 16) -> list[tuple[str, list[int], int | None]]:
+def generate_ids(model, tokenizer, ids: list[list[int]], max_new_tokens: int, batch_size: int = DEFAULT_BATCH,
+                 on_batch=None) -> list[tuple[str, list[int], int | None]]:
     """Greedy continuations of token-id prompts, batched with left padding: (text, tokens, the end id it stopped on).
 
     Prompts of similar length share a batch (less padding); the order of the answers is the order asked.
-    The tokens exclude the end id; a continuation cut by max_new_tokens has end None.
+    The tokens exclude the end id; a continuation cut by max_new_tokens has end None. With `on_batch`, the
+    per-step logits come back too: on_batch(indices, step_logits [rows, steps, vocab]) after each batch.
     """
     import torch
 
@@ -91,16 +97,19 @@ def generate_ids(model, tokenizer, ids: list[list[int]], max_new_tokens: int, ba
         att = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk], dtype=torch.long, device=model.device)
         with torch.inference_mode():
             gen = model.generate(input_ids=x, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                 eos_token_id=eos or None, pad_token_id=pad)
+                                 eos_token_id=eos or None, pad_token_id=pad, output_logits=on_batch is not None,
+                                 return_dict_in_generate=True)
         for row, i in enumerate(chunk):
-            new = gen[row, width:].tolist()
+            new = gen.sequences[row, width:].tolist()
             cut = next((k for k, t in enumerate(new) if t in eos), None)
             toks = new if cut is None else new[:cut]
             out[i] = (tokenizer.decode(toks, skip_special_tokens=True), toks, None if cut is None else new[cut])
+        if on_batch is not None:
+            on_batch(chunk, torch.stack(gen.logits, dim=1))
     return out  # type: ignore[return-value]
 
 
-def generate_batch(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_size: int = 16) -> list[tuple[str, list[int]]]:
+def generate_batch(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_size: int = DEFAULT_BATCH) -> list[tuple[str, list[int]]]:
     """Greedy answers to prompts as the model sees them at inference (chat template, generation prompt)."""
     res = generate_ids(model, tokenizer, [prompt_ids(tokenizer, p) for p in prompts], max_new_tokens, batch_size)
     return [(text, toks) for text, toks, _ in res]
@@ -170,14 +179,25 @@ def _right_padded(seqs: list[list[int]], pad: int, device):
     return x, att
 
 
-def batches(n: int, size: int, lengths: list[int] | None = None) -> list[list[int]]:
-    """Index batches; with lengths, similar lengths together (less padding)."""
-    order = sorted(range(n), key=lambda i: (-lengths[i], i)) if lengths else list(range(n))
-    size = max(1, size)
-    return [order[s:s + size] for s in range(0, n, size)]
+def vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
 
 
-def nll_sums(model, seqs: list[list[int]], starts: list[int], pad: int, batch_size: int) -> list[tuple[float, int]]:
+def batches(lengths: list[int], vocab: int, budget: int = LOGITS_BUDGET) -> list[list[int]]:
+    """Index batches of similar lengths (less padding), as many rows as keep one float32 logits tensor
+    (rows x longest x vocabulary) within `budget` bytes: a forward pass's memory is its logits, and on a CPU
+    its time is its tokens, so bigger batches would buy nothing."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] * vocab * 4 <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def nll_sums(model, seqs: list[list[int]], starts: list[int], pad: int) -> list[tuple[float, int]]:
     """Per sequence: (summed negative log-likelihood, count) of the tokens from index `start` on, given what precedes them.
 
     Right padding keeps every real token at its own position, so no position ids are needed.
@@ -185,7 +205,7 @@ def nll_sums(model, seqs: list[list[int]], starts: list[int], pad: int, batch_si
     import torch
 
     out: list[tuple[float, int]] = [(0.0, 0)] * len(seqs)
-    for chunk in batches(len(seqs), batch_size, [len(q) for q in seqs]):
+    for chunk in batches([len(q) for q in seqs], vocab_size(model)):
         x, att = _right_padded([seqs[i] for i in chunk], pad, model.device)
         with torch.inference_mode():
             logits = model(input_ids=x, attention_mask=att).logits[:, :-1].float()
@@ -247,7 +267,7 @@ def _loss_ids(tokenizer, prompt: Any, completion: str) -> tuple[list[int], int]:
     return p + c, len(p)
 
 
-def mean_loss(model, tokenizer, pairs: list[tuple[Any, str]], max_length: int, batch_size: int = 16) -> float | None:
+def mean_loss(model, tokenizer, pairs: list[tuple[Any, str]], max_length: int) -> float | None:
     """Token-weighted mean NLL of the completions given their prompts."""
     seqs, starts = [], []
     for prompt, completion in pairs:
@@ -258,7 +278,7 @@ def mean_loss(model, tokenizer, pairs: list[tuple[Any, str]], max_length: int, b
             starts.append(max(n_prompt, 1))
     if not seqs:
         return None
-    sums = nll_sums(model, seqs, starts, pad_id(tokenizer, stop_ids(tokenizer, model)), batch_size)
+    sums = nll_sums(model, seqs, starts, pad_id(tokenizer, stop_ids(tokenizer, model)))
     total, count = sum(s for s, _ in sums), sum(c for _, c in sums)
     return total / count if count else None
 
@@ -284,48 +304,57 @@ def read_rows(path: str, limit: int) -> list[dict]:
 def drift_kl(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_size: int) -> dict[str, Any]:
     """Mean per-token KL(base || tuned) over the base model's own greedy continuations of the prompts.
 
-    The base model (adapter disabled) continues each prompt greedily; both models then read prompt +
-    continuation, and at every position that predicts a continuation token (the end-of-turn token
-    included, when the base stopped on it) KL(p_base || p_tuned) is summed over the vocabulary. The
-    mean is over all those positions. Where the tuned model's argmax differs from the base model's at
-    some position, its own greedy answer would part from the base answer there: that is the prompt's
-    `first_divergence`, and `changed_share` counts such prompts.
+    The base model (adapter disabled) continues each prompt greedily, and its next-token distributions come
+    with the generation; the fine-tuned model then reads prompt + continuation once. At every position that
+    predicts a continuation token (the end-of-turn token included, when the base stopped on it)
+    KL(p_base || p_tuned) is summed over the vocabulary; the mean is over all those positions. Where the
+    fine-tuned model's argmax differs from the base model's at some position, its own greedy answer would
+    part from the base answer there: that is the prompt's `first_divergence`, and `changed_share` counts
+    such prompts. Prompts go in groups whose step logits fit half the logits budget.
     """
     import torch
 
-    with model.disable_adapter():
-        gens = generate_ids(model, tokenizer, [prompt_ids(tokenizer, p) for p in prompts], max_new_tokens, batch_size)
     pad = pad_id(tokenizer, stop_ids(tokenizer, model))
-    seqs, starts, items = [], [], []
-    for p, (text, toks, end) in zip(prompts, gens):
-        cont = toks + ([end] if end is not None else [])
-        ids = prompt_ids(tokenizer, p)
-        seqs.append(ids + cont)
-        starts.append(len(ids))
-        items.append({"prompt": p, "base_output": text, "tokens": len(cont)})
+    vocab = vocab_size(model)
+    all_ids = [prompt_ids(tokenizer, p) for p in prompts]
+    group = max(1, min(batch_size, (LOGITS_BUDGET // 2) // max(1, max_new_tokens * vocab * 4)))
+    items: list[dict[str, Any]] = [{"prompt": p} for p in prompts]
     kl_sum, kl_n = 0.0, 0
-    for chunk in batches(len(seqs), batch_size, [len(q) for q in seqs]):
-        chunk = [i for i in chunk if len(seqs[i]) > starts[i]]
-        if not chunk:
-            continue
-        x, att = _right_padded([seqs[i] for i in chunk], pad, model.device)
-        with torch.inference_mode():
-            with model.disable_adapter():
-                lp_base = torch.log_softmax(model(input_ids=x, attention_mask=att).logits.float(), dim=-1)
-            lp_tuned = torch.log_softmax(model(input_ids=x, attention_mask=att).logits.float(), dim=-1)
-        for row, i in enumerate(chunk):
-            lo, hi = starts[i] - 1, len(seqs[i]) - 1  # logits at j predict token j + 1
-            b, t = lp_base[row, lo:hi], lp_tuned[row, lo:hi]
-            kl = (b.exp() * (b - t)).sum(-1).clamp_min(0.0)  # per position; clamp: float rounding below 0
-            # Against the base model's argmax in this same pass, not the generated token: the two can differ by
-            # float rounding between cached and full passes, and the base model against itself must read 0.
-            diverge = (t.argmax(-1) != b.argmax(-1)).nonzero()
-            items[i].update(kl=float(kl.mean()), first_divergence=int(diverge[0, 0]) if len(diverge) else None)
-            kl_sum += float(kl.sum())
-            kl_n += int(kl.numel())
+    for g0 in range(0, len(prompts), group):
+        idx = list(range(g0, min(g0 + group, len(prompts))))
+        base_steps: dict[int, Any] = {}
+
+        def keep(rows, step_logits, idx=idx, base_steps=base_steps):
+            for row, j in enumerate(rows):
+                base_steps[idx[j]] = step_logits[row]
+
+        with model.disable_adapter():
+            gens = generate_ids(model, tokenizer, [all_ids[i] for i in idx], max_new_tokens, len(idx), on_batch=keep)
+        seqs, starts = [], []
+        for i, (text, toks, end) in zip(idx, gens):
+            cont = toks + ([end] if end is not None else [])
+            seqs.append(all_ids[i] + cont)
+            starts.append(len(all_ids[i]))
+            items[i].update(base_output=text, tokens=len(cont), kl=None, first_divergence=None)
+        for chunk in batches([len(q) for q in seqs], vocab, LOGITS_BUDGET // 2):
+            chunk = [c for c in chunk if len(seqs[c]) > starts[c]]
+            if not chunk:
+                continue
+            x, att = _right_padded([seqs[c] for c in chunk], pad, model.device)
+            with torch.inference_mode():
+                logits = model(input_ids=x, attention_mask=att).logits
+            for row, c in enumerate(chunk):
+                i = idx[c]
+                n = len(seqs[c]) - starts[c]
+                t = torch.log_softmax(logits[row, starts[c] - 1:starts[c] - 1 + n].float(), dim=-1)  # logits at j predict token j + 1
+                b = torch.log_softmax(base_steps[i][:n].float(), dim=-1)
+                kl = (b.exp() * (b - t)).sum(-1).clamp_min(0.0)  # clamp: float rounding just below 0
+                diverge = (t.argmax(-1) != b.argmax(-1)).nonzero()
+                items[i].update(kl=float(kl.mean()), first_divergence=int(diverge[0, 0]) if len(diverge) else None)
+                kl_sum += float(kl.sum())
+                kl_n += int(kl.numel())
+            del logits
     for it in items:
-        it.setdefault("kl", None)
-        it.setdefault("first_divergence", None)
         it["changed"] = it["first_divergence"] is not None
     return {
         "kl": kl_sum / kl_n if kl_n else None,
@@ -335,7 +364,7 @@ def drift_kl(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_si
     }
 
 
-def perplexity_pair(model, tokenizer, text: str, window: int, max_tokens: int, batch_size: int) -> dict[str, Any]:
+def perplexity_pair(model, tokenizer, text: str, window: int, max_tokens: int) -> dict[str, Any]:
     """Perplexity of base and tuned on a text: exp(mean NLL) over non-overlapping windows of `window` tokens.
 
     Non-overlapping windows give each window's first tokens little context, so the figure is higher
@@ -347,10 +376,9 @@ def perplexity_pair(model, tokenizer, text: str, window: int, max_tokens: int, b
     if not seqs:
         return {"base": None, "tuned": None, "ratio": None, "tokens": 0}
     pad = pad_id(tokenizer, stop_ids(tokenizer, model))
-    n = max(1, batch_size // 4)  # long windows: fewer per batch keeps the logits small
     with model.disable_adapter():
-        base = nll_sums(model, seqs, [1] * len(seqs), pad, n)
-    tuned = nll_sums(model, seqs, [1] * len(seqs), pad, n)
+        base = nll_sums(model, seqs, [1] * len(seqs), pad)
+    tuned = nll_sums(model, seqs, [1] * len(seqs), pad)
     count = sum(c for _, c in base)
 
     def ppl(sums):
@@ -373,11 +401,21 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
     prompts = params.get("prompts") or []
     goldens = params.get("goldens") or []
     drift = params.get("drift") or []
-    bs = int(params.get("batch_size") or 16)
+    bs = int(params.get("batch_size") or DEFAULT_BATCH)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 3)
+        clock = now
+
     specs = [scoring.parse_spec(it["scorer"], f"prompts[{i}].scorer") for i, it in enumerate(prompts)]
     tok = load_tokenizer(base_model)
     emit_progress(0, None, "loading base model and adapter")
     model = load_adapted(base_model, adapter_dir)
+    lap("load")
     max_length = int(params.get("max_length") or getattr(tok, "model_max_length", 2048) or 2048)
     max_length = min(max_length, 8192)
 
@@ -391,9 +429,11 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
 
     emit_progress(1, total, f"task prompts: {len(prompts)} (fine-tuned)")
     outs = generate_batch(model, tok, [it["prompt"] for it in prompts], mnt, bs)
+    lap("generate_tuned")
     emit_progress(2, total, f"task prompts: {len(prompts)} (base)")
     with model.disable_adapter():
         base_outs = generate_batch(model, tok, [it["prompt"] for it in prompts], mnt, bs)
+    lap("generate_base")
 
     items = []
     for it, spec, (out, _), (base_out, _) in zip(prompts, specs, outs, base_outs):
@@ -412,20 +452,24 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
             rec["match"] = scoring.collapse(out) == scoring.collapse(g["output"])
         gold.append(rec)
 
+    lap("goldens")
     emit_progress(4, total, f"drift: KL on {len(drift)} general prompts, perplexity")
     kl = drift_kl(model, tok, [d["prompt"] for d in drift], dmnt, bs) if drift else {"kl": None, "kl_tokens": 0, "changed_share": None, "items": []}
+    lap("drift_kl")
     ppl = {"base": None, "tuned": None, "ratio": None, "tokens": 0}
     if params.get("general_text"):
         ppl = perplexity_pair(model, tok, params["general_text"], int(params.get("perplexity_window") or 512),
-                              int(params.get("perplexity_max_tokens") or 4096), bs)
+                              int(params.get("perplexity_max_tokens") or 4096))
 
+    lap("perplexity")
     limit = int(params.get("max_loss_rows") or 256)
     rows = read_rows(params["loss_file"], limit) if params.get("loss_file") else (params.get("loss_rows") or [])[:limit]
     pairs = [p for p in (loss_pair(r) for r in rows) if p is not None]
     emit_progress(5, total, f"eval loss on {len(pairs)} rows")
-    eval_loss = mean_loss(model, tok, pairs, max_length, bs) if pairs else None
+    eval_loss = mean_loss(model, tok, pairs, max_length) if pairs else None
     with model.disable_adapter():
-        base_loss = mean_loss(model, tok, pairs, max_length, bs) if pairs else None
+        base_loss = mean_loss(model, tok, pairs, max_length) if pairs else None
+    lap("eval_loss")
     emit_progress(total, total, "done")
 
     def share(xs, key):
@@ -452,6 +496,7 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
         "max_new_tokens": mnt,
         "drift_max_new_tokens": dmnt,
         "batch_size": bs,
+        "timings": timings,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
     }
 

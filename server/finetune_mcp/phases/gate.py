@@ -524,6 +524,7 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         "loss_rows": res.get("loss_rows"),
         "side_by_side_report": str(side_path),
         "versions": res.get("versions"),
+        "timings_s": res.get("timings"),
     }
     report_path = r / EVAL_REPORT
     pc.guard.write_text(report_path, _eval_report(run_id, machine, res))
