@@ -174,6 +174,7 @@ def main() -> int:
     print(f"SmolLM2-135M-Instruct, {len(w['task'])} task prompts, {len(w['general'])} general prompts, {len(w['goldens'])} goldens, "
           f"max_new_tokens {w['mnt']}, {os.cpu_count()} cores", flush=True)
     our_s: list[float] = []
+    our_laps: list[dict] = []
     base_runs: list[dict] = []
     res = None
     for i in range(a.rounds):
@@ -181,6 +182,7 @@ def main() -> int:
         from finetune_mcp.phases.gate import read_eval_result
 
         laps = read_eval_result(w["ws"].output_root / w["run_id"]).get("timings_s") or {}
+        our_laps.append(laps)
         print(f"round {i + 1}: evaluate_checkpoint {our_s[-1]:.1f}s; in the job: "
               + ", ".join(f"{k} {v:.1f}s" for k, v in laps.items()), flush=True)
         b = baseline(w)
@@ -188,6 +190,8 @@ def main() -> int:
         print(f"round {i + 1}: baseline load {b['load_s']:.1f}s + generate {b['generate_s']:.1f}s ("
               + ", ".join(f"{k} {v:.1f}s" for k, v in b["laps"].items()) + ")", flush=True)
     best_ours = min(our_s)
+    gen_keys = ("generate_tuned", "generate_base", "goldens", "drift_generate_base")
+    our_gen = min(sum(l.get(k, 0) for k in gen_keys) for l in our_laps)
     best_gen = min(b["generate_s"] for b in base_runs)
     best_total = min(b["load_s"] + b["generate_s"] for b in base_runs)
     # Same answers: the evaluation's batches and the plain call must agree (greedy both).
@@ -199,9 +203,14 @@ def main() -> int:
     print(f"| evaluate_checkpoint (MCP call, warm worker) | {best_ours:.1f} |")
     print(f"| baseline: load + plain batched generate | {best_total:.1f} |")
     print(f"| baseline: plain batched generate alone | {best_gen:.1f} |")
+    print(f"| evaluate_checkpoint's own generation (same generations, inside the job) | {our_gen:.1f} |")
+    extra = {k: min(l.get(k, 0) for l in our_laps) for k in ("drift_kl_pass", "perplexity", "eval_loss", "load")}
+    print("\nbeyond the generations (best of rounds): " + ", ".join(f"{k} {v:.1f}s" for k, v in extra.items()))
     print(f"\nratio ours / (load + generate) = {best_ours / best_total:.2f} (goal <= 1.2); ours / generate alone = {best_ours / best_gen:.2f}")
     print("BENCH " + json.dumps({"figure": "evaluate_checkpoint / plain batched generate (load included), SmolLM2-135M",
                                  "ours": round(best_ours, 2), "baseline": round(best_total, 2), "ratio": round(best_ours / best_total, 3), "goal": "<= 1.2"}))
+    print("BENCH " + json.dumps({"figure": "evaluate_checkpoint's generations / plain batched generate, SmolLM2-135M",
+                                 "ours": round(our_gen, 2), "baseline": round(best_gen, 2), "ratio": round(our_gen / best_gen, 3), "goal": "<= 1.2"}))
     print("BENCH " + json.dumps({"figure": "evaluate_checkpoint / plain batched generate (generate alone), SmolLM2-135M",
                                  "ours": round(best_ours, 2), "baseline": round(best_gen, 2), "ratio": round(best_ours / best_gen, 3), "goal": "reported"}))
     return 0

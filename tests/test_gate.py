@@ -309,6 +309,10 @@ def test_side_by_side_report_under_eval_is_written_and_committed(world):
 def test_drift_bars_gate_the_promotion(world, monkeypatch):
     """A bar below the trained adapter's KL fails it; without bars for harm no PROMOTE is signed; a waiver is stated."""
     world.use(monkeypatch)
+    run_id = f"{EXP}/20260101-1100-bars"
+    clone_run(world.ws, RUN_A, run_id)
+    for name in ("promotion-report.md", "eval-report.md"):
+        (world.run_dir(run_id) / name).unlink()
     bars = {"tight": "thresholds: {max_kl: 0.05, max_perplexity_ratio: 3.0}\n", "unset": "thresholds: {}\n",
             "waived": "thresholds: {max_kl: null, max_perplexity_ratio: 3.0}\n"}
     seen = {}
@@ -318,13 +322,12 @@ def test_drift_bars_gate_the_promotion(world, monkeypatch):
             try:
                 for name, text in bars.items():
                     await call(s, "write_eval_file", {"experiment": EXP, "relpath": "eval.yaml", "content": text})
-                    ev = await call(s, "evaluate_checkpoint", {"run_id": RUN_B})
-                    r = await s.call_tool("record_verdict", {"run_id": RUN_B, "verdict": "PROMOTE", "evidence": f"kl {ev['drift']['kl']}"})
-                    seen[name] = (ev, r.is_error, r.content[0].text, (world.run_dir(RUN_B) / "promotion-report.md").read_text())
-            finally:
+                    ev = await call(s, "evaluate_checkpoint", {"run_id": run_id})
+                    r = await s.call_tool("record_verdict", {"run_id": run_id, "verdict": "PROMOTE", "evidence": f"kl {ev['drift']['kl']}"})
+                    report = world.run_dir(run_id) / "promotion-report.md"
+                    seen[name] = (ev, r.is_error, r.content[0].text, report.read_text() if report.is_file() else "")
+            finally:  # the world's suite as it was (same bytes, same digest) for the tests after this one
                 await call(s, "write_eval_file", {"experiment": EXP, "relpath": "eval.yaml", "content": EVAL_YAML})
-                await call(s, "evaluate_checkpoint", {"run_id": RUN_B})
-                await call(s, "record_verdict", {"run_id": RUN_B, "verdict": "PROMOTE", "evidence": "re-signed after the bar tests"})
 
     anyio.run(main)
     ev, refused_, text, _ = seen["tight"]

@@ -320,6 +320,7 @@ def drift_kl(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_si
     group = max(1, min(batch_size, (LOGITS_BUDGET // 2) // max(1, max_new_tokens * vocab * 4)))
     items: list[dict[str, Any]] = [{"prompt": p} for p in prompts]
     kl_sum, kl_n = 0.0, 0
+    spent = {"generate": 0.0, "pass": 0.0}
     for g0 in range(0, len(prompts), group):
         idx = list(range(g0, min(g0 + group, len(prompts))))
         base_steps: dict[int, Any] = {}
@@ -328,8 +329,11 @@ def drift_kl(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_si
             for row, j in enumerate(rows):
                 base_steps[idx[j]] = step_logits[row]
 
+        t0 = time.perf_counter()
         with model.disable_adapter():
             gens = generate_ids(model, tokenizer, [all_ids[i] for i in idx], max_new_tokens, len(idx), on_batch=keep)
+        t1 = time.perf_counter()
+        spent["generate"] += t1 - t0
         seqs, starts = [], []
         for i, (text, toks, end) in zip(idx, gens):
             cont = toks + ([end] if end is not None else [])
@@ -354,6 +358,7 @@ def drift_kl(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_si
                 kl_sum += float(kl.sum())
                 kl_n += int(kl.numel())
             del logits
+        spent["pass"] += time.perf_counter() - t1
     for it in items:
         it["changed"] = it["first_divergence"] is not None
     return {
@@ -361,6 +366,7 @@ def drift_kl(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_si
         "kl_tokens": kl_n,
         "changed_share": sum(1 for it in items if it["changed"]) / len(items) if items else None,
         "items": items,
+        "seconds": spent,
     }
 
 
@@ -456,6 +462,10 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
     emit_progress(4, total, f"drift: KL on {len(drift)} general prompts, perplexity")
     kl = drift_kl(model, tok, [d["prompt"] for d in drift], dmnt, bs) if drift else {"kl": None, "kl_tokens": 0, "changed_share": None, "items": []}
     lap("drift_kl")
+    if kl.get("seconds"):
+        timings["drift_generate_base"] = round(kl["seconds"]["generate"], 3)
+        timings["drift_kl_pass"] = round(kl["seconds"]["pass"], 3)
+        timings.pop("drift_kl")
     ppl = {"base": None, "tuned": None, "ratio": None, "tokens": 0}
     if params.get("general_text"):
         ppl = perplexity_pair(model, tok, params["general_text"], int(params.get("perplexity_window") or 512),
