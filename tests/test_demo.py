@@ -55,3 +55,19 @@ def test_demo_runs_the_whole_lifecycle(tmp_path):
     for r in reports:
         loaded = sorted(m for m in r.read_text().split() if m.split(".")[0] in HEAVY)
         assert loaded == [], f"{r.name}: server imported {loaded}"
+
+
+def test_progress_line_is_compact_and_verbose_prints_every_record(capsys):
+    from finetune_mcp.demo import ProgressLine
+
+    recs = [{"step": i, "loss": 5.0 / i, "lr": 0.003, "mem_gb": 0.5, "temp_c": None} for i in range(1, 41)]
+    line = ProgressLine(verbose=False, total=40)
+    for i in range(0, 40, 4):
+        line.update(recs[i:i + 4])
+    line.close()
+    out = capsys.readouterr().out.splitlines()
+    assert 1 <= len(out) <= 2 and out[-1].strip().startswith("step 40/40  loss 0.1250")
+    line = ProgressLine(verbose=True, total=40)
+    line.update(recs)
+    line.close()
+    assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == recs  # exactly as poll_progress gave them

@@ -139,7 +139,7 @@ class ProgressLine:
 
     def __init__(self, verbose: bool, total: int | None):
         self.verbose, self.total, self.tty = verbose, total, sys.stdout.isatty()
-        self.last_print, self.shown, self.records = 0.0, "", 0
+        self.last_print, self.shown, self.printed, self.records = 0.0, "", "", 0
 
     def update(self, records: list[dict[str, Any]]) -> None:
         self.records += len(records)
@@ -158,13 +158,16 @@ class ProgressLine:
             print("\r" + self.shown.ljust(78), end="", flush=True)
         elif time.monotonic() - self.last_print > 5:
             _w(self.shown)
-            self.last_print = time.monotonic()
+            self.last_print, self.printed = time.monotonic(), self.shown
 
     def close(self) -> None:
         """End the line (a terminal) or print its last state (a log), once."""
         if self.shown and not self.verbose:
-            print(flush=True) if self.tty else _w(self.shown)
-        self.shown = ""
+            if self.tty:
+                print(flush=True)
+            elif self.shown != self.printed:
+                _w(self.shown)
+        self.shown = self.printed = ""
 
 
 async def poll_until_done(s, run_id: str, *, stop_on_divergence: bool = False, budget_s: float = 600, verbose: bool = False,
