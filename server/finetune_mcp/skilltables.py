@@ -219,6 +219,8 @@ class MemoryTable(Strict):
     activation_bytes_per_value: dict[Literal["fp32", "16bit"], float]
     logits_bytes_per_token_vocab: dict[Literal["fp32", "16bit"], float]
     overhead_gb: dict[Literal["cuda", "cpu"], float]
+    attention_score_copies: dict[Literal["cuda", "cpu"], float] = Field(
+        description="s x s attention matrices kept per head for backward: 0 with fused SDPA kernels, scores + probabilities with the math kernel")
     defaults: MemoryDefaults
     methods: dict[Literal["sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft"], MemoryMethod]
 
