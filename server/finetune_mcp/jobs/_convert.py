@@ -509,10 +509,11 @@ def _tool_calls(tcs: Any, f: str, cx: Cx) -> Any:
     return out
 
 
-def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True, trained: bool = True) -> Any:
-    """One message list: text parts flattened, OpenAI's legacy function roles and calls as tools, tool-call
-    arguments as objects, loss_weight read as weight. trained: whether this list's assistant turns carry loss
-    (messages) or not (a prompt), which decides what a weight may say."""
+def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True, role: str = "conversation") -> Any:
+    """One message list: text parts flattened, OpenAI's legacy function roles and calls as tools, tool-call arguments
+    as objects, loss_weight read as weight. role: "conversation" (messages: the weight of each assistant turn is kept
+    for the masking), "prompt" (context, never trained: weights there say nothing and are dropped) or "answer" (a
+    completion, chosen or rejected: trained whole, so weight 1 is the default and weight 0 a contradiction)."""
     if not isinstance(msgs, list):
         return msgs
     out = []
@@ -538,17 +539,20 @@ def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True, trained: bo
             m["weight"] = m.pop("loss_weight")
             cx.note("loss_weight → weight")
         if "weight" in m:
-            w = m["weight"]
+            w = m.pop("weight")
             if isinstance(w, bool) or w not in (0, 1):
                 cx.err("wrong-type", f"weight must be 0 or 1, got {w!r}", f + ".weight")
-            elif m.get("role") != "assistant" or not trained:
-                # Context is never trained: weight 0 there is what happens anyway; weight 1 would ask for something else.
-                if w == 1 and m.get("role") != "assistant":
+            elif m.get("role") != "assistant":
+                # User, system and tool turns are never trained: weight 0 there is what happens anyway.
+                if w == 1:
                     cx.err("wrong-type", f"weight 1 on a {m.get('role')} message asks to train it; only assistant turns carry loss", f + ".weight")
-                del m["weight"]
-            else:
+            elif role == "conversation":
                 m["weight"] = int(w)
                 cx.report.weights[f"weight {int(w)}"] += 1
+            elif role == "answer" and w == 0:
+                cx.err("wrong-type", "weight 0 on an answer that the method trains whole; drop the row, or the weight", f + ".weight")
+            else:
+                cx.note("weights on prompt turns and weight 1 on answers dropped (the method trains answers whole and prompts never)")
         out.append(m)
     return out
 

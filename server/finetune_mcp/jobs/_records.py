@@ -605,7 +605,7 @@ def check_records(
         if check_fmt != "vision":
             for col in conversational:
                 if col in row:
-                    row[col] = C.norm_turns(row[col], col, cx, trained=(col != "prompt"))
+                    row[col] = C.norm_turns(row[col], col, cx, role="conversation" if col == "messages" else "prompt" if col == "prompt" else "answer")
             if len(conversational) > 1:
                 row = C.coerce_pair(row, conversational, cx)
             row = C.norm_tools(row, cx)

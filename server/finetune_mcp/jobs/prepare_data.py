@@ -520,6 +520,10 @@ def what_repeats(trained: list[str], values: dict, near_example: str | None, see
     }
 
 
+UNSTATED = ("neither the brief nor the data says where the records came from, so the guard treats them as {}: if people wrote "
+            "or chose them on purpose, add `provenance: curated` to the brief's ## Dataset Expectation")
+
+
 def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink, provenance: str = "synthetic",
                    repeats: dict[str, str] | None = None, stated: bool = True) -> dict:
     """Verdict per metric. A fail bound breached by curated data (the collapse table's provenance rules) is reported
@@ -552,8 +556,7 @@ def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink, prov
             verdict = "warn"
             msg += f"; reported, not failing: the data is {provenance}"
         elif verdict == "fail" and not stated:
-            msg += ("; neither the brief nor the data says where the records came from, so the guard treats them as "
-                    f"{provenance}: if people wrote or chose them on purpose, add `provenance: curated` to the brief's ## Dataset Expectation")
+            msg += "; " + UNSTATED.format(provenance)
         verdicts[name] = verdict
         if verdict == "fail":
             sink.error(f"collapse-{name}", f"collapse guard: {msg}", field="trained text")
@@ -653,7 +656,7 @@ def prepare(P: dict) -> dict:
         if collapse["provenance"][provenance]["on_fail"] == "warning":
             sink.warn("near-duplicate", field=R.main_field(fmt), message=f"{said}; reported, not failing: the data is {provenance}")
         else:
-            sink.error("near-duplicate", field=R.main_field(fmt), message=said)
+            sink.error("near-duplicate", field=R.main_field(fmt), message=said + ("" if prov.get("value") else "; " + UNSTATED.format(provenance)))
     trained_txt = ["\n".join(R.trained_texts(r, fmt, checked.reference_field)) for r in records]
     cvals = collapse_metrics(trained_txt, near_share, collapse, seed)
     cvals["_top_where"] = _some([_loc(origins, i) for i in cvals["_top_records"]], 5) + (
