@@ -182,11 +182,33 @@ def _text_field(row: dict, col: str, cx: Cx, required: bool = True) -> str | Non
     return row[col]
 
 
+def _need(row: dict, cols: tuple[str, ...], cx: Cx) -> bool:
+    missing = [c for c in cols if c not in row]
+    for c in missing:
+        cx.err("missing-field", f"required field {c!r} is missing", c)
+    return not missing
+
+
+def label_value(v: Any) -> bool | None:
+    """A KTO label as a bool: true/false, 1/0 or their text; None when it is none of these."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
+        return v.strip().lower() in ("true", "1")
+    return None
+
+
 def _label_of(row: dict, cx: Cx) -> Any:
+    """The label, checked where the user wrote it (kto_tag or label)."""
     col = "kto_tag" if "kto_tag" in row else "label"
     if col == "kto_tag":
         cx.note("kto_tag column → label (LLaMA-Factory's KTO tag)")
-    return row[col]
+    v = label_value(row.get(col))
+    if v is None:
+        cx.err("wrong-type", f"{col} must be true or false, got {row.get(col)!r}", col)
+    return v
 
 
 # Alpaca: LLaMA-Factory's AlpacaDatasetConverter (src/llamafactory/data/converter.py) joins instruction and input
@@ -234,6 +256,7 @@ def alpaca_to_messages(row: dict, cx: Cx) -> dict:
 
 
 def alpaca_preference_to_preference(row: dict, cx: Cx) -> dict:
+    _need(row, ("chosen", "rejected"), cx)
     return {**_rest(row, ("instruction", "input", "system", "history")), "prompt": _alpaca_prompt(row, cx)}
 
 
@@ -320,6 +343,8 @@ def _with_system(turns: list[dict], row: dict, cx: Cx) -> list[dict]:
 
 
 def sharegpt_to_messages(row: dict, cx: Cx, role_map: dict[str, str]) -> dict:
+    if not _need(row, ("conversations",), cx):
+        return row
     turns = _with_system(_share_turns(row.get("conversations"), "conversations", cx, role_map), row, cx)
     return {**_rest(row, ("conversations", "system")), "messages": turns}
 
@@ -335,6 +360,8 @@ def _answer(v: Any, fld: str, cx: Cx, role_map: dict[str, str]) -> Any:
 
 
 def sharegpt_preference_to_preference(row: dict, cx: Cx, role_map: dict[str, str]) -> dict:
+    if not _need(row, ("conversations", "chosen", "rejected"), cx):
+        return row
     prompt = _with_system(_share_turns(row.get("conversations"), "conversations", cx, role_map), row, cx)
     return {**_rest(row, ("conversations", "system", "chosen", "rejected")), "prompt": prompt,
             "chosen": _answer(row.get("chosen"), "chosen", cx, role_map), "rejected": _answer(row.get("rejected"), "rejected", cx, role_map)}
@@ -349,6 +376,8 @@ def _last_answer_split(turns: list, fld: str, cx: Cx) -> tuple[list, list]:
 
 
 def sharegpt_kto_to_kto(row: dict, cx: Cx, role_map: dict[str, str]) -> dict:
+    if not _need(row, ("conversations",), cx):
+        return row
     turns = _with_system(_share_turns(row.get("conversations"), "conversations", cx, role_map), row, cx)
     prompt, completion = _last_answer_split(turns, "conversations", cx)
     return {**_rest(row, ("conversations", "system", "kto_tag", "label")), "prompt": prompt, "completion": completion,
@@ -356,6 +385,8 @@ def sharegpt_kto_to_kto(row: dict, cx: Cx, role_map: dict[str, str]) -> dict:
 
 
 def messages_preference_to_preference(row: dict, cx: Cx, role_map: dict[str, str]) -> dict:
+    if not _need(row, ("messages", "chosen", "rejected"), cx):
+        return row
     return {**_rest(row, ("messages", "chosen", "rejected")), "prompt": row["messages"],
             "chosen": _answer(row.get("chosen"), "chosen", cx, role_map), "rejected": _answer(row.get("rejected"), "rejected", cx, role_map)}
 
@@ -370,6 +401,8 @@ def messages_label_to_kto(row: dict, cx: Cx) -> dict:
 
 
 def openai_preference_to_preference(row: dict, cx: Cx) -> dict:
+    if not _need(row, ("input", "preferred_output", "non_preferred_output"), cx):
+        return row
     inp = row.get("input")
     if not isinstance(inp, dict) or "messages" not in inp:
         cx.err("wrong-type", "input must be an object with messages (OpenAI's preference format)", "input.messages")
@@ -386,6 +419,8 @@ def openai_preference_to_preference(row: dict, cx: Cx) -> dict:
 
 
 def paired_messages_to_implicit(row: dict, cx: Cx) -> dict:
+    if not _need(row, ("chosen_messages", "rejected_messages"), cx):
+        return row
     return {**_rest(row, ("chosen_messages", "rejected_messages")), "chosen": row["chosen_messages"], "rejected": row["rejected_messages"]}
 
 
@@ -509,11 +544,10 @@ def _tool_calls(tcs: Any, f: str, cx: Cx) -> Any:
     return out
 
 
-def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True, role: str = "conversation") -> Any:
-    """One message list: text parts flattened, OpenAI's legacy function roles and calls as tools, tool-call arguments
-    as objects, loss_weight read as weight. role: "conversation" (messages: the weight of each assistant turn is kept
-    for the masking), "prompt" (context, never trained: weights there say nothing and are dropped) or "answer" (a
-    completion, chosen or rejected: trained whole, so weight 1 is the default and weight 0 a contradiction)."""
+def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True) -> Any:
+    """One message list as the user wrote it: text parts flattened, OpenAI's legacy function roles and calls as tools,
+    tool-call arguments as objects, LLaMA-Factory v1's loss_weight read as weight (0 or 1). Problems name the
+    source field; which weights survive is decided after conversion (weigh_turns)."""
     if not isinstance(msgs, list):
         return msgs
     out = []
@@ -534,26 +568,58 @@ def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True, role: str =
             cx.note("OpenAI's legacy function_call → tool_calls")
         if "tool_calls" in m and m["tool_calls"] is not None:
             m["tool_calls"] = _tool_calls(m["tool_calls"], f + ".tool_calls", cx)
-        if "loss_weight" in m:
-            # LLaMA-Factory v1's per-message loss weight (data/v1_sft_demo.jsonl): 0.0 or 1.0.
-            m["weight"] = m.pop("loss_weight")
-            cx.note("loss_weight → weight")
-        if "weight" in m:
-            w = m.pop("weight")
-            if isinstance(w, bool) or w not in (0, 1):
-                cx.err("wrong-type", f"weight must be 0 or 1, got {w!r}", f + ".weight")
-            elif m.get("role") != "assistant":
-                # User, system and tool turns are never trained: weight 0 there is what happens anyway.
-                if w == 1:
-                    cx.err("wrong-type", f"weight 1 on a {m.get('role')} message asks to train it; only assistant turns carry loss", f + ".weight")
-            elif role == "conversation":
-                m["weight"] = int(w)
-                cx.report.weights[f"weight {int(w)}"] += 1
-            elif role == "answer" and w == 0:
-                cx.err("wrong-type", "weight 0 on an answer that the method trains whole; drop the row, or the weight", f + ".weight")
-            else:
-                cx.note("weights on prompt turns and weight 1 on answers dropped (the method trains answers whole and prompts never)")
+        for key in ("loss_weight", "weight"):
+            if key in m:
+                # OpenAI's weight and LLaMA-Factory v1's loss_weight (data/v1_sft_demo.jsonl) take 0 or 1.
+                w = m.pop(key)
+                if isinstance(w, bool) or w not in (0, 1):
+                    cx.err("wrong-type", f"{key} must be 0 or 1, got {w!r}", f"{f}.{key}")
+                elif w == 1 and m.get("role") not in ("assistant", None):
+                    cx.err("wrong-type", f"{key} 1 on a {m.get('role')} message asks to train it; only assistant turns carry loss", f"{f}.{key}")
+                else:
+                    m["weight"] = int(w)
+                    if key == "loss_weight":
+                        cx.note("loss_weight → weight")
         out.append(m)
+    return out
+
+
+def norm_messages(row: dict, cx: Cx, flatten: bool = True) -> dict:
+    """norm_turns on every message list and message object of a source row, before any conversion."""
+    out = dict(row)
+    for k, v in row.items():
+        if isinstance(v, list) and any(isinstance(m, dict) and "role" in m for m in v):
+            out[k] = norm_turns(v, k, cx, flatten=flatten)
+        elif isinstance(v, dict) and "role" in v:
+            out[k] = norm_turns([v], k, cx, flatten=flatten)[0]
+        elif k == "input" and isinstance(v, dict) and isinstance(v.get("messages"), list):
+            out[k] = {**v, "messages": norm_turns(v["messages"], "input.messages", cx, flatten=flatten)}
+    return out
+
+
+def weigh_turns(msgs: Any, fld: str, cx: Cx, role: str) -> Any:
+    """Which weights survive in a converted list. role: "conversation" (messages: each assistant turn's weight is kept
+    for the masking), "prompt" (context, never trained: weights say nothing there) or "answer" (a completion, chosen
+    or rejected, trained whole: weight 1 is the default and weight 0 a contradiction)."""
+    if not isinstance(msgs, list):
+        return msgs
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "weight" not in m:
+            out.append(m)
+            continue
+        w = m["weight"]
+        if m.get("role") != "assistant":
+            out.append({k: v for k, v in m.items() if k != "weight"})  # never trained: weight 0 is what happens anyway
+        elif role == "conversation":
+            out.append(m)
+            cx.report.weights[f"weight {w}"] += 1
+        elif role == "answer" and w == 0:
+            cx.err("wrong-type", "weight 0 on an answer that the method trains whole; drop the row, or the weight", f"{fld}[{i}].weight")
+            out.append(m)
+        else:
+            cx.note("weights on prompt turns and weight 1 on answers dropped (the method trains answers whole and prompts never)")
+            out.append({k: v for k, v in m.items() if k != "weight"})
     return out
 
 
@@ -610,6 +676,8 @@ def coerce_pair(row: dict, cols: tuple[str, ...], cx: Cx) -> dict:
         for c in cols:
             if isinstance(row.get(c), str):
                 role = "user" if c == "prompt" else "assistant"
+                if not row[c].strip():
+                    cx.err("empty-field" if c == "prompt" else "empty-assistant", f"{c} is empty", c)
                 row[c] = [{"role": role, "content": row[c]}]
                 cx.note(f"{c} text beside message lists → one {role} turn")
     return row

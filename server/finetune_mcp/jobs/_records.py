@@ -523,14 +523,7 @@ def _type(v: Any) -> str:
     return {dict: "an object", list: "a list", str: "text", bool: "a boolean", int: "a number", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-def _label(v: Any) -> bool | None:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, int) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
-        return v.strip().lower() in ("true", "1")
-    return None
+_label = C.label_value
 
 
 def check_records(
@@ -596,6 +589,8 @@ def check_records(
             row = C.fill_placeholders(row, fill, used)
             for k in used:
                 report.filled[k] += 1
+        if check_fmt != "vision":
+            row = C.norm_messages(row, cx)
         # Conversions first, so the checks below see the target format.
         for step in steps:
             rshape = shape_of(row, refs)
@@ -605,7 +600,7 @@ def check_records(
         if check_fmt != "vision":
             for col in conversational:
                 if col in row:
-                    row[col] = C.norm_turns(row[col], col, cx, role="conversation" if col == "messages" else "prompt" if col == "prompt" else "answer")
+                    row[col] = C.weigh_turns(row[col], col, cx, "conversation" if col == "messages" else "prompt" if col == "prompt" else "answer")
             if len(conversational) > 1:
                 row = C.coerce_pair(row, conversational, cx)
             row = C.norm_tools(row, cx)

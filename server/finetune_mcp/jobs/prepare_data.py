@@ -492,12 +492,14 @@ def shared_phrase(texts: list[str], seed: int = 0, max_n: int = 12, sample: int 
     tw = [R.words(texts[i])[:head] for i in order[:sample]]
     best: dict[int, tuple[tuple, int]] = {}
     for n in range(2, max_n + 1):
-        df: Counter = Counter()
+        df: dict[tuple, int] = {}  # insertion order = first seen, which breaks ties the same way on every run
         for w in tw:
-            df.update({tuple(w[j:j + n]) for j in range(len(w) - n + 1)})
+            for g in dict.fromkeys(tuple(w[j:j + n]) for j in range(len(w) - n + 1)):
+                df[g] = df.get(g, 0) + 1
         if not df:
             break
-        best[n] = df.most_common(1)[0]
+        top = max(df.values())
+        best[n] = next((g, c) for g, c in df.items() if c == top)
     if not best:
         return "", 0.0
     n = max(k for k, (_, c) in best.items() if c >= 0.8 * best[2][1])
