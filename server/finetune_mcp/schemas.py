@@ -67,6 +67,9 @@ class PrepareDatasetResult(Result):
         lines = [self.summary, "", f"Experiment: {self.experiment_dir}"]
         if self.dataset_dir:
             lines.append(f"Dataset: {self.dataset_dir}")
+        if self.conversion and self.conversion.get("steps"):
+            lines.append(f"Converted from the {self.conversion.get('source_shape')} shape: {' → '.join(self.conversion['steps'])} "
+                         "(the dataset card says how, and that nothing was dropped)")
         lines += ["", "Phase 2 exit checklist:"]
         lines += [f"  [{'x' if c.ok else ' '}] {c.item}\n        {c.evidence}" for c in self.checklist]
         errors = [p for p in self.problems if p.severity == "error"]

@@ -413,7 +413,7 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
         raise
     checklist = _checklist(brief, job, tables, final_dir if ok else None, card_ok if ok else False, commit_id, data)
     complete = ok and all(c.ok for c in checklist)
-    cites = [pc.skills.cite(SKILL, a) for a in ("format-table", "validation-thresholds", "chat-template", "loss-masking",
+    cites = [pc.skills.cite(SKILL, a) for a in ("format-table", "conversions", "placeholders", "validation-thresholds", "chat-template", "loss-masking",
                                                 "packing", "collapse-guard", "dataset-card", "phase-2-exit-checklist")]
     counts = {k: v for k, v in (job.get("counts") or {}).items() if isinstance(v, int)}
     n_err = sum(c["error"] for c in (job.get("problem_counts") or {}).values())
