@@ -43,7 +43,8 @@ def ws(ws_root, tiny_model_dir, monkeypatch):
 
 
 def brief(root: Path, name: str, method: str, *, base: str = "finetune-mcp-tiny", seq: int | None = 256, lines: tuple[str, ...] = ()) -> str:
-    text = task.sample_brief(method).replace("finetune-mcp-tiny", base).replace("packing: true", "packing: false")
+    # Each brief its own task, so each call opens its own experiment (and card).
+    text = task.sample_brief(method).replace(task.TASK_SLUG, name).replace("finetune-mcp-tiny", base).replace("packing: true", "packing: false")
     text = text.replace("max_seq_length: 64\n", f"max_seq_length: {seq}\n" if seq else "")
     text = text.replace("\n## Memory Budget", "".join(f"{ln}\n" for ln in lines) + "\n## Memory Budget")
     (root / "briefs" / f"{name}.md").write_text(text)
@@ -80,9 +81,16 @@ def test_curated_identity_set_is_filled_and_accepted_with_warnings_and_a_collaps
             good = await call(s, brief(ws, "identity", "sft-lora", seq=None, lines=curated + filled), "incoming/identity.json", "identity")
             unstated = await call(s, brief(ws, "unstated", "sft-lora", lines=filled), "incoming/identity.json", "unstated")
             synthetic = await call(s, brief(ws, "synthetic", "sft-lora", seq=128, lines=("provenance: synthetic",)), "incoming/collapsed.jsonl", "synthetic")
-            return unfilled, good, unstated, synthetic
+            # The data's own card speaks: a provenance key, or the hub's synthetic tag against the brief's word.
+            carded = await call(s, brief(ws, "carded", "sft-lora", lines=filled), "incoming/carded/identity.json", "carded")
+            tagged = await call(s, brief(ws, "tagged", "sft-lora", lines=curated + filled), "incoming/tagged/identity.json", "tagged")
+            return unfilled, good, unstated, synthetic, carded, tagged
 
-    unfilled, good, unstated, synthetic = anyio.run(main)
+    for folder, front in (("carded", "provenance: curated"), ("tagged", "tags:\n- synthetic\n- distilabel")):
+        (ws / "incoming" / folder).mkdir()
+        shutil.copy(FMT / "identity.json", ws / "incoming" / folder / "identity.json")
+        (ws / "incoming" / folder / "README.md").write_text(f"---\nlicense: apache-2.0\n{front}\n---\n# identity\n")
+    unfilled, good, unstated, synthetic, carded, tagged = anyio.run(main)
     rows = json.loads((FMT / "identity.json").read_text())
     datasets = ws / "datasets"
 
@@ -127,7 +135,13 @@ def test_curated_identity_set_is_filled_and_accepted_with_warnings_and_a_collaps
     assert sc["complete"] is False and sc["provenance"] == "synthetic" and not (datasets / "synthetic").exists()
     err = next(p for p in sc["problems"] if p["code"] == "collapse-top-opening-share")
     assert err["severity"] == "error" and "open with 'sure here is'" in err["message"]
-    assert sorted(p.name for p in datasets.iterdir()) == ["identity"]
+    sc = ok(carded)
+    assert sc["provenance"] == "curated" and "Provenance: curated (stated by the dataset card " in card_of(sc)
+    sc = tagged.structured_content
+    assert sc["complete"] is False and sc["provenance"] == "synthetic"
+    conflict = next(p for p in sc["problems"] if p["code"] == "provenance-conflict")
+    assert "the brief's ## Dataset Expectation says curated and the dataset card" in conflict["message"] and "the stricter, synthetic, applies" in conflict["message"]
+    assert sorted(p.name for p in datasets.iterdir()) == ["carded", "identity"]
 
 
 def test_openai_chat_weights_and_tool_calls_on_a_template_that_renders_tools(ws):
