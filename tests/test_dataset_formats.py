@@ -196,19 +196,6 @@ def test_placeholders_are_reported_with_their_lines_and_filled_from_the_brief(ta
     assert sink.errors == 0 and "{{name}}" in c.records[0]["messages"][1]["content"]
 
 
-def test_message_weights_mask_the_spans_of_weight_0_answers():
-    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0},
-            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}]
-    labels = [-100, -100, 5, 6, -100, -100, 7, 8, 9]
-    assert C.apply_message_weights(msgs, labels) == [-100, -100, -100, -100, -100, -100, 7, 8, 9]
-    assert C.apply_message_weights(msgs[:2] + [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "weight": 1}], labels) == \
-        [-100] * 6 + [7, 8, 9]
-    no_zero = [dict(m, weight=1) if m["role"] == "assistant" else m for m in msgs]
-    assert C.apply_message_weights(no_zero, labels) is labels
-    with pytest.raises(ValueError, match="2 trained spans for 3 assistant messages"):
-        C.apply_message_weights(msgs + [{"role": "user", "content": "z"}, {"role": "assistant", "content": "c"}], labels)
-
-
 def test_every_assistant_turn_weighted_0_trains_nothing(tables, tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}", "weight": 0}]} for i in range(3)]
     (tmp_path / "w.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

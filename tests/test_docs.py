@@ -45,7 +45,7 @@ def test_readme_shows_the_complete_example_brief():
         assert section in text
     rewards = load_skills().table("grpo-rlvr-training", "rewards").rewards
     for value in [*METHOD_LABELS.values(), *FORMATS, *RUNTIMES, *DEPLOY_FORMATS, *PROVENANCES, *PLACEHOLDER_POLICIES, *rewards,
-                  "min_accuracy", "max_drift", "max_eval_loss", "max_seq_length", "packing", "examples", "fill", "license", "GiB", "TB"]:
+                  "min_accuracy", "max_drift", "max_eval_loss", "max_seq_length", "packing", "examples", "fill", "license", "system_prompt", "GiB", "TB"]:
         assert value in text, value
 
 

@@ -40,7 +40,8 @@ def _phase(module: str, name: str) -> Callable[..., Any]:
     # Phase modules load on first call (inside the error boundary), so the server starts with only
     # what it needs to list tools.
     def run(*args, **kwargs):
-        return getattr(importlib.import_module(f"finetune_mcp.phases.{module}"), name)(*args, **kwargs)
+        path = module if module.startswith("finetune_mcp.") else f"finetune_mcp.phases.{module}"
+        return getattr(importlib.import_module(path), name)(*args, **kwargs)
 
     run.__name__ = name
     return run
@@ -202,7 +203,7 @@ def build_server(role: str, ws: Workspace | None = None, data_dirs: list[Path] |
     ) -> Annotated[CallToolResult, S.TriageResult]:
         """Diagnose the failure class (environment / divergence / oom / none) with verbatim evidence lines, then the
         response: the preflight check to re-run, the ordered divergence causes, or the next OOM-ladder rung."""
-        return await call_phase(pc, ctx, "triage_failure", _phase("triage", "triage_failure"), run_id=run_id, log_path=log_path)
+        return await call_phase(pc, ctx, "triage_failure", _phase("finetune_mcp.triage", "triage_failure"), run_id=run_id, log_path=log_path)
 
     @tool("export", _ann(destructive=False, idempotent=True), "Phase 6: export a promoted run")
     async def export(

@@ -724,31 +724,3 @@ def find_placeholders(v: Any, fld: str = "") -> list[tuple[str, list[str]]]:
         for k, x in v.items():
             out += find_placeholders(x, f"{fld}.{k}" if fld else k)
     return out
-
-
-# ---------------------------------------------------------------- per-message weights
-
-
-def apply_message_weights(messages: list[dict], labels: list[int]) -> list[int]:
-    """Labels with the spans of assistant messages whose weight is 0 set to -100 (OpenAI's per-message weight).
-
-    The k-th run of trained labels is the k-th assistant message: the masking covers each assistant turn with one
-    run, and turns in between (user, tool) are never trained. Raises ValueError when the runs and the assistant
-    messages cannot be paired one to one."""
-    weights = [m.get("weight", 1) for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
-    if all(w != 0 for w in weights):
-        return labels
-    runs, start = [], None
-    for i, lab in enumerate(labels + [-100]):
-        if lab != -100 and start is None:
-            start = i
-        elif lab == -100 and start is not None:
-            runs.append((start, i))
-            start = None
-    if len(runs) != len(weights):
-        raise ValueError(f"{len(runs)} trained spans for {len(weights)} assistant messages; cannot tell which span a weight belongs to")
-    out = list(labels)
-    for (a, b), w in zip(runs, weights):
-        if w == 0:
-            out[a:b] = [-100] * (b - a)
-    return out

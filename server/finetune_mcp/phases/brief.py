@@ -4,7 +4,7 @@ Stdlib only and free of side effects, so every phase can import it. The brief fo
 
     # Training brief: <title>
     ## Task                 "<slug> — prose"                      (required)
-    ## Base Model           embedded name, base-models/ folder or HF id (required)
+    ## Base Model           embedded name, base-models/ folder, HF id in the cache, or a model folder's path in a data dir (required)
     ## Chosen Method        one of METHODS, aliases tolerated     (required)
     ## Dataset Expectation  prose + "key: value" lines: format, max_seq_length, packing, examples,
                          provenance, fill, placeholders, license (required; every key optional)
@@ -206,6 +206,16 @@ class Brief:
     @property
     def keep_placeholders(self) -> bool:
         return self.dataset_expectation.get("placeholders") == "keep"
+
+    @property
+    def system_prompt(self) -> str | None:
+        """`system_prompt:` in Dataset Expectation: text for conversations without a system turn; `none` gives an
+        empty one (a template that injects its own default then has nothing to inject); absent: the data as is."""
+        v = self.dataset_expectation.get("system_prompt")
+        if v is None:
+            return None
+        v = str(v).strip().strip('"').strip("'")
+        return "" if v.lower() in ("none", "empty", "no", "false") else v
 
     def where(self, section: str) -> str:
         """'<path>: ## <Section>' for error messages."""
@@ -447,9 +457,10 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
     if sections.get("base_model", "").strip():
         base_model = _first_line(sections["base_model"]).split()[0] if _first_line(sections["base_model"]) else ""
         base_model = base_model.strip(",;:")
-        if not base_model or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]*", base_model) or ".." in base_model:
+        if not base_model or not re.fullmatch(r"(~?/)?[A-Za-z0-9][A-Za-z0-9._/-]*", base_model) or ".." in base_model:
             problem("base_model", f"{base_model!r} is not a model name",
-                    "'finetune-mcp-tiny', a folder name under base-models/, or an HF id such as Qwen/Qwen3-4B")
+                    "'finetune-mcp-tiny', a folder name under base-models/, an HF id such as Qwen/Qwen3-4B, "
+                    "or the absolute path of a model folder inside a --data-dir")
 
     # Chosen method
     method = None

@@ -609,6 +609,11 @@ def _find_value(obj: Any, key: str) -> Any:
 _RUN_CONFIG: dict[str, dict] = {}
 
 
+def run_config(run_dir: Path) -> dict:
+    """A run's resolved config.yaml as a dict ({} when missing or unreadable); triage reads it too."""
+    return _run_config(run_dir)
+
+
 def _run_config(run_dir: Path) -> dict:
     key = str(run_dir)
     if key not in _RUN_CONFIG:

@@ -26,7 +26,7 @@ class ProgressLog(TrainerCallback):
             "step": state.global_step,
             "loss": float(logs["loss"]),  # NaN / Infinity stay visible (JSON's NaN token) for triage
             "lr": float(logs.get("learning_rate", 0.0)),
-            "mem_gb": self.telemetry.mem_gb,
+            "mem_gb": self.telemetry.take_mem_gb(),
             "temp_c": self.telemetry.temp_c,
         }
         self.progress.write(json.dumps(record) + "\n")
