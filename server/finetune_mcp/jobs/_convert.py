@@ -544,6 +544,9 @@ def _tool_calls(tcs: Any, f: str, cx: Cx) -> Any:
     return out
 
 
+_TOUCHED = frozenset(("function_call", "tool_calls", "loss_weight", "weight"))
+
+
 def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True) -> Any:
     """One message list as the user wrote it: text parts flattened, OpenAI's legacy function roles and calls as tools,
     tool-call arguments as objects, LLaMA-Factory v1's loss_weight read as weight (0 or 1). Problems name the
@@ -552,10 +555,10 @@ def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True) -> Any:
         return msgs
     out = []
     for i, m in enumerate(msgs):
-        f = f"{fld}[{i}]"
-        if not isinstance(m, dict):
-            out.append(m)
+        if not isinstance(m, dict) or not (_TOUCHED.intersection(m) or m.get("role") == "function" or isinstance(m.get("content"), list)):
+            out.append(m)  # the common case: nothing to clean up, nothing copied
             continue
+        f = f"{fld}[{i}]"
         m = dict(m)
         if m.get("role") == "function":
             m["role"] = "tool"
@@ -586,8 +589,10 @@ def norm_turns(msgs: Any, fld: str, cx: Cx, *, flatten: bool = True) -> Any:
 
 def norm_messages(row: dict, cx: Cx, flatten: bool = True) -> dict:
     """norm_turns on every message list and message object of a source row, before any conversion."""
-    out = dict(row)
+    out = row
     for k, v in row.items():
+        if out is row:
+            out = dict(row)
         if isinstance(v, list) and any(isinstance(m, dict) and "role" in m for m in v):
             out[k] = norm_turns(v, k, cx, flatten=flatten)
         elif isinstance(v, dict) and "role" in v:

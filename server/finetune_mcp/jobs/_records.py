@@ -604,11 +604,6 @@ def check_records(
             if len(conversational) > 1:
                 row = C.coerce_pair(row, conversational, cx)
             row = C.norm_tools(row, cx)
-        if not keep_placeholders:
-            for fld, names in C.find_placeholders({k: v for k, v in row.items() if k != "tools"}):
-                for n in names:
-                    unfilled.setdefault(n, []).append(f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}")
-                cx.err("placeholder", f"{', '.join('{{' + n + '}}' for n in names)} left unfilled", fld)
         cx.flush()
         if not cx.ok:
             continue
@@ -626,15 +621,25 @@ def check_records(
             ]
         else:
             produced = [row]
-        for rec in produced:
-            if fmt != "grpo":
+        if fmt != "grpo":
+            for rec in produced:
                 for k in rec:
                     if k not in keep_cols:
                         report.left_out[k] += 1
-                rec = {k: v for k, v in rec.items() if k in keep_cols}
+            produced = [{k: v for k, v in rec.items() if k in keep_cols} for rec in produced]
+        pkeys = [record_key(rec) for rec in produced]
+        if not keep_placeholders and any("{{" in k for k in pkeys):
+            # The canonical JSON is built for the duplicate check anyway; braces in it can only sit inside strings.
+            found = [x for x in C.find_placeholders({k: v for k, v in row.items() if k != "tools"})]
+            for fld, names in found:
+                for n in names:
+                    unfilled.setdefault(n, []).append(f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}")
+                sink.error("placeholder", f"{', '.join('{{' + n + '}}' for n in names)} left unfilled", field=fld, **at)
+            if found:
+                continue
+        for rec, key in zip(produced, pkeys):
             if fmt == "kto":
                 labels[rec["label"]] += 1
-            key = record_key(rec)
             first = seen.get(key)
             if first is not None:
                 dropped["exact-duplicate"] += 1
