@@ -2,7 +2,7 @@
 
 Stdlib only: _records.check_records calls it in the server's light pass and in the prepare_data job alike.
 The shapes, conversions and refusals themselves are data in the dataset-curation skill (tables/formats.yaml);
-this module holds one function per conversion id and checks at import time that the two agree. Every
+this module holds one function per conversion id (the table's schema checks that the two agree). Every
 converter maps each field it consumes and reports, through a Cx, what it did, so the dataset card can say
 what was converted and that nothing was dropped.
 """
@@ -449,17 +449,13 @@ def extract_prompt(row: dict, cx: Cx) -> dict:
     return {**_rest(row, ("chosen", "rejected")), "prompt": c[:idx], "chosen": c[idx:], "rejected": r[idx:]}
 
 
-def _rename_conversations(row: dict, cx: Cx, role_map: dict[str, str]) -> dict:
-    return sharegpt_to_messages(row, cx, role_map)
-
-
-# Conversion id -> function(row, cx[, role_map]); the table's ids and these must agree (checked below).
+# Conversion id -> function(row, cx[, role_map]); skilltables.DcFormatsTable checks that the skill's ids are these.
 CONVERTERS: dict[str, Callable[..., dict]] = {
     "alpaca-to-messages": alpaca_to_messages,
     "alpaca-preference-to-preference": alpaca_preference_to_preference,
     "alpaca-kto-to-kto": alpaca_kto_to_kto,
     "sharegpt-to-messages": sharegpt_to_messages,
-    "conversations-to-messages": _rename_conversations,
+    "conversations-to-messages": sharegpt_to_messages,  # the same turn mapping reads role/content turns too
     "sharegpt-preference-to-preference": sharegpt_preference_to_preference,
     "sharegpt-kto-to-kto": sharegpt_kto_to_kto,
     "messages-preference-to-preference": messages_preference_to_preference,
@@ -467,7 +463,7 @@ CONVERTERS: dict[str, Callable[..., dict]] = {
     "openai-preference-to-preference": openai_preference_to_preference,
     "paired-messages-to-implicit": paired_messages_to_implicit,
     "implicit-prompt-preference": extract_prompt,
-    "preference-to-kto": None,  # after validation: each checked pair becomes two rows (_records.unpair)
+    "preference-to-kto": None,  # after validation, check_records turns each checked pair into two rows
 }
 _TAKES_ROLE_MAP = {"sharegpt-to-messages", "conversations-to-messages", "sharegpt-preference-to-preference",
                    "sharegpt-kto-to-kto", "messages-preference-to-preference"}
@@ -476,13 +472,6 @@ _TAKES_ROLE_MAP = {"sharegpt-to-messages", "conversations-to-messages", "sharegp
 def convert(row: dict, step: str, cx: Cx, role_map: dict[str, str]) -> dict:
     fn = CONVERTERS[step]
     return fn(row, cx, role_map) if step in _TAKES_ROLE_MAP else fn(row, cx)
-
-
-def check_table(formats: dict) -> None:
-    """The skill's conversion ids and this module's converters must be the same set."""
-    ids = {c["id"] for c in formats["conversions"]}
-    if ids != set(CONVERTERS):
-        raise ValueError(f"dataset-curation formats.yaml conversions {sorted(ids ^ set(CONVERTERS))} have no converter here, or the reverse")
 
 
 # ---------------------------------------------------------------- messages in any format
