@@ -452,3 +452,14 @@ def test_train_py_snippet_runs_standalone_and_agrees(tmp_path):
         assert got["mem_gb"] > 0.19
     assert abs(got["mem_gb"] - ours) < 0.05
     assert got["temp_c"] == telemetry.temp_c()
+
+
+def test_a_brief_without_max_seq_length_is_estimated_at_the_recipe_default(skills):
+    """prepare_dataset trains such a brief at the method recipe's max_seq_length; preflight estimates that run."""
+    from finetune_mcp.phases.config import recipe_params
+
+    default = recipe_params(skills, "sft-lora")["max_seq_length"].default
+    brief = {"base_model": "meta-llama/Llama-3.1-8B", "method": "sft-lora", "max_seq_length": None, "memory_budget_gb": 96}
+    est = run(obs("h100.json"), llama_8b(), skills, brief)["memory_estimate"]
+    stated = run(obs("h100.json"), llama_8b(), skills, {**brief, "max_seq_length": default})["memory_estimate"]
+    assert est and est["max_seq_length"] == default and est == stated

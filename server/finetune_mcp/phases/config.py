@@ -70,6 +70,17 @@ def recipe_params(skills, method: str) -> dict[str, Any]:
     return params
 
 
+def effective_max_seq_length(brief, skills) -> tuple[int, str, str]:
+    """(tokens, "brief" or "default", where it came from): the brief's max_seq_length, else the method recipe's default."""
+    if brief.max_seq_length:
+        return int(brief.max_seq_length), "brief", "brief ## Dataset Expectation (max_seq_length)"
+    p = recipe_params(skills, brief.method).get("max_seq_length")
+    if p is None or not p.default:
+        raise BadInput(f"the brief states no max_seq_length and the {brief.method} recipe has no default", where=brief.where("dataset_expectation"),
+                       fix="add max_seq_length: <tokens> under ## Dataset Expectation")
+    return int(p.default), "default", f"recipe default, {p.cite}"
+
+
 def key_owners(skills, key: str) -> list[str]:
     """The methods whose recipes have this key."""
     return [m for m in all_recipes(skills) if key in recipe_params(skills, m)]

@@ -493,6 +493,12 @@ def evaluate(observed: Mapping[str, Any], brief: Brief | Mapping[str, Any], skil
     model = observed.get("model") or {}
     model_error = model.get("error") if not model.get("config") else None
     est = None
+    if not facts["max_seq_length"] and facts["method"]:
+        # A brief without max_seq_length trains at the method recipe's default; estimate that run.
+        from finetune_mcp.phases.config import recipe_params
+
+        p = recipe_params(skills, facts["method"]).get("max_seq_length")
+        facts["max_seq_length"] = p.default if p is not None else None
     if model.get("config") and facts["method"] in mem_table.methods and facts["max_seq_length"]:
         est = memory.estimate(model, facts["method"], int(facts["max_seq_length"]), platform, mem_table)
     elif not model_error:
