@@ -111,6 +111,8 @@ class PreflightResult(Result):
     verdict: Literal["ready", "ready-with-warnings", "blocked"]
     checks: list[CheckResult]
     memory_estimate: dict[str, Any] = Field(default_factory=dict)
+    time_estimate: dict[str, Any] = Field(default_factory=dict, description="expected wall time from real training steps timed in the worker "
+                                          "(seconds per step, steps, wall, the brief's time budget)")
     env_report: str
 
     def text(self) -> str:

@@ -136,6 +136,7 @@ _SECTIONS = {
     "deployment_target": ("deploymenttarget", "deployment", "target", "deploytarget"),
     "evaluation": ("evaluation", "eval", "evaluationcriteria", "gate", "successcriteria"),
     "reward": ("reward", "rewards", "rewardfunction", "rewardfunctions"),
+    "time_budget": ("timebudget", "time", "walltime", "timelimit", "deadline"),
 }
 _HEADING_TO_SECTION = {h: s for s, hs in _SECTIONS.items() for h in hs}
 SECTION_TITLES = {
@@ -147,6 +148,7 @@ SECTION_TITLES = {
     "deployment_target": "Deployment Target",
     "evaluation": "Evaluation",
     "reward": "Reward",
+    "time_budget": "Time Budget",
 }
 REQUIRED_SECTIONS = ("task", "base_model", "chosen_method", "dataset_expectation", "memory_budget", "deployment_target")
 
@@ -181,6 +183,7 @@ class Brief:
     reward: list[str] = field(default_factory=list)
     sections: dict[str, str] = field(default_factory=dict)  # canonical key (or the heading's own key) -> raw text
     defaults_applied: list[str] = field(default_factory=list)  # e.g. ["format: messages (default for sft-lora)"]
+    time_budget_s: float | None = None  # "## Time Budget" (optional): preflight warns when the expected wall time exceeds it
 
     @property
     def experiment(self) -> str:
@@ -377,6 +380,21 @@ def _parse_number(v: str) -> Any:
 _GB_UNITS = {"gb": 1.0, "g": 1.0, "gib": 1.073741824, "tb": 1000.0, "t": 1000.0, "tib": 1099.511627776, "mb": 0.001, "mib": 0.001048576}
 
 
+_DURATION_UNITS = {"s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "mins": 60, "minute": 60,
+                   "minutes": 60, "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400, "days": 86400}
+
+
+def parse_duration_s(text: str) -> float | None:
+    """Seconds in '2 h', '90 min', '1h30m', '1.5 hours', '45 minutes'; None when the text holds no duration."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]+)", text.lower())
+    total, seen = 0.0, False
+    for num, unit in parts:
+        if unit in _DURATION_UNITS:
+            total += float(num) * _DURATION_UNITS[unit]
+            seen = True
+    return total if seen else None
+
+
 def _parse_memory_gb(text: str) -> float | None:
     m = re.search(r"(\d+(?:\.\d+)?)\s*(gib|gb|g|tib|tb|t|mib|mb)\b", text.lower())
     if not m:
@@ -548,6 +566,14 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
             problem("memory_budget", f"{_first_line(sections['memory_budget'])!r} is not an amount of memory", "a size such as '4 GB', '96 GiB' or '0.5 TB'")
             mem = None
 
+    # Time budget (optional)
+    time_budget = None
+    if sections.get("time_budget", "").strip():
+        time_budget = parse_duration_s(_first_line(sections["time_budget"]))
+        if not time_budget:
+            problem("time_budget", f"{_first_line(sections['time_budget'])!r} is not a duration", "a duration such as '2 h', '90 min' or '1h30m'")
+            time_budget = None
+
     # Deployment target
     dep_raw = _first_line(sections.get("deployment_target", ""))
     runtime = dep_fmt = None
@@ -603,6 +629,7 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
         reward=reward,
         sections=sections,
         defaults_applied=defaults,
+        time_budget_s=time_budget,
     )
 
 
