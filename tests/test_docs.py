@@ -40,8 +40,9 @@ def test_readme_shows_the_complete_example_brief():
     b = parse_brief(example_brief(), "example.md")
     assert b.defaults_applied == [] and b.provenance and b.fill and b.max_seq_length and b.evaluation and b.reward
     text = example_brief()
+    assert b.time_budget_s == 7200
     for section in ("## Task", "## Base Model", "## Chosen Method", "## Dataset Expectation", "## Memory Budget",
-                    "## Deployment Target", "## Evaluation", "## Reward"):
+                    "## Time Budget", "## Deployment Target", "## Evaluation", "## Reward"):
         assert section in text
     rewards = load_skills().table("grpo-rlvr-training", "rewards").rewards
     for value in [*METHOD_LABELS.values(), *FORMATS, *RUNTIMES, *DEPLOY_FORMATS, *PROVENANCES, *PLACEHOLDER_POLICIES, *rewards,

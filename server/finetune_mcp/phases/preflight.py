@@ -684,7 +684,7 @@ def preflight(pc, experiment: str) -> S.PreflightResult:
             atomic_write_json(os.environ[RECORD_ENV], observed)
     observed["model"] = _model_for(pc, observed, brief.base_model)
     shape = training_shape(pc, experiment, brief, detect_platform(observed, pc.skills.table(SKILL, "checks")))
-    if not replay and observed["model"].get("config"):
+    if not replay and observed["model"].get("config") and os.environ.get("FINETUNE_MCP_STEP_PROBE", "1").strip() not in ("0", "false", "no", "off"):
         # Seconds per step measured, not guessed: a few real steps at the expected batch shape.
         pc.progress(2, 4, f"timing {shape['micro_batch']} x {shape['tokens_per_sequence']}-token training steps")
         observed["step_probe"] = step_probe(pc, observed["model"], shape)
