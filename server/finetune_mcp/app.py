@@ -108,7 +108,7 @@ def build_server(role: str, ws: Workspace | None = None, data_dirs: list[Path] |
     @tool("prepare_dataset", _ann(destructive=False, idempotent=True), "Phase 2: prepare and validate the dataset")
     async def prepare_dataset(
         brief_path: Annotated[str, Field(description="the training-brief.md to execute")],
-        source: Annotated[str, Field(description="JSONL/JSON/Parquet/CSV file or folder, a save_to_disk folder, or an HF dataset id in the local cache")],
+        source: Annotated[str, Field(description="JSONL/JSON/Parquet/CSV file or folder, a save_to_disk folder, or an HF dataset id: org/name, org/name:split or org/name:config:split")],
         dataset_name: Annotated[str | None, Field(description="name under $DGX_SPARK_ROOT/datasets/ (default: from the experiment)")] = None,
         eval_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.05,
         ctx: Context = None,
@@ -247,6 +247,7 @@ def build_server(role: str, ws: Workspace | None = None, data_dirs: list[Path] |
         return await call_phase(pc, ctx, "write_eval_file", _phase("gate", "write_eval_file"), experiment=experiment, relpath=relpath, content=content)
 
     _register_resources(server, pc)
+    _register_brief_help(server, pc, allowed)
 
     @server.prompt(name=role, title=f"{role} agent prompt", description=policy.summary)
     def role_prompt() -> str:
@@ -296,6 +297,34 @@ def _register_resources(server: MCPServer, pc: PhaseContext) -> None:
             return json.dumps({"run_id": f"{experiment}/{run_id}", "dir": str(d), "files": files, **state}, indent=2)
         except FtError as e:
             raise ResourceError(str(e)) from None
+
+
+def _register_brief_help(server: MCPServer, pc: PhaseContext, allowed: set[str]) -> None:
+    """The brief, documented where an agent looks: a complete example as a resource, and a prompt that drafts one."""
+    from finetune_mcp.phases.brief import example_brief
+
+    @server.resource("brief://example", name="brief-example", title="A complete training brief: every section, every accepted value",
+                     mime_type="text/markdown")
+    def brief_example() -> str:
+        return example_brief()
+
+    if "prepare_dataset" not in allowed:
+        return
+
+    @server.prompt(name="draft_brief", title="Draft a training brief",
+                   description="A draft training-brief.md for a one-line goal, a base model and a data file, with the values to confirm marked")
+    def draft_brief(
+        goal: Annotated[str, Field(description="one line: what the tuned model should do")],
+        base_model: Annotated[str, Field(description="an HF id, a base-models/ folder name, or finetune-mcp-tiny")],
+        data_file: Annotated[str, Field(description="the data file or folder prepare_dataset will read")],
+    ) -> str:
+        from mcp.shared.exceptions import MCPError
+        from mcp_types import INVALID_PARAMS
+
+        try:
+            return _phase("dataset", "draft_brief")(pc, goal=goal, base_model=base_model, data_file=data_file)
+        except FtError as e:  # the SDK replaces other exceptions' text with a generic one
+            raise MCPError(INVALID_PARAMS, str(e)) from None
 
 
 def _visible(pc: PhaseContext, path: Path) -> bool:
