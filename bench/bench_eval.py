@@ -8,8 +8,8 @@ trained one; a trained adapter would change only the answers), and an eval suite
 questions and everyday questions (`contains`), 3 goldens, the 12 shipped general prompts for KL, the shipped
 text for the perplexity ratio, eval loss on the suite's prompts. Then, alternating, --rounds times each:
 
-  ours      evaluate_checkpoint through a real eval-engineer MCP session (the job worker warm, as for every
-            evaluation after a server's first): loads base + adapter, generates, scores, KL, perplexity, eval loss,
+  ours      evaluate_checkpoint through one real eval-engineer MCP session (its job worker warm after a first,
+            cold call that is reported apart): loads base + adapter, generates, scores, KL, perplexity, eval loss,
             writes its reports
   baseline  a fresh Python with torch/transformers/peft imported before the clock starts, in the environment the
             worker gives its jobs (OMP_WAIT_POLICY=PASSIVE etc.: the same threads behaviour): load base + adapter,
@@ -139,18 +139,37 @@ def build(root: Path, n_prompts: int, mnt: int) -> dict:
             "task": [p["prompt"] for p in prompts], "general": general, "goldens": [p["prompt"] for p in everyday[:3]], "mnt": mnt}
 
 
-async def ours(w: dict, env: dict, rounds: list[float], write_suite: bool) -> dict:
+async def rounds(w: dict, env: dict, n: int) -> tuple[float, list[float], list[dict], list[dict], dict]:
+    """One eval-engineer session for every call, so its job worker stays warm after the first (cold) call;
+    the baseline runs between our calls, each in a fresh Python."""
+    from finetune_mcp.phases.gate import read_eval_result
+
     async with session("eval-engineer", env) as s:
-        if write_suite:
-            for name, content in w["files"].items():
-                r = await s.call_tool("write_eval_file", {"experiment": w["exp"], "relpath": name, "content": content})
-                assert not r.is_error, r.content[0].text
-        t0 = time.perf_counter()
-        r = await s.call_tool("evaluate_checkpoint", {"run_id": w["run_id"]})
-        rounds.append(time.perf_counter() - t0)
-        if r.is_error:
-            raise SystemExit(r.content[0].text)
-        return r.structured_content
+        for name, content in w["files"].items():
+            r = await s.call_tool("write_eval_file", {"experiment": w["exp"], "relpath": name, "content": content})
+            assert not r.is_error, r.content[0].text
+
+        async def evaluate() -> tuple[float, dict, dict]:
+            t0 = time.perf_counter()
+            r = await s.call_tool("evaluate_checkpoint", {"run_id": w["run_id"]})
+            took = time.perf_counter() - t0
+            if r.is_error:
+                raise SystemExit(r.content[0].text)
+            return took, r.structured_content, read_eval_result(w["ws"].output_root / w["run_id"]).get("timings_s") or {}
+
+        cold, _, _ = await evaluate()
+        print(f"first call (cold worker: it imports the training stack): evaluate_checkpoint {cold:.1f}s", flush=True)
+        ours_s, laps, bases, res = [], [], [], {}
+        for i in range(n):
+            took, res, lap = await evaluate()
+            ours_s.append(took)
+            laps.append(lap)
+            print(f"round {i + 1}: evaluate_checkpoint {took:.1f}s; in the job: " + ", ".join(f"{k} {v:.1f}s" for k, v in lap.items()), flush=True)
+            b = await anyio.to_thread.run_sync(baseline, w)
+            bases.append(b)
+            print(f"round {i + 1}: baseline load {b['load_s']:.1f}s + generate {b['generate_s']:.1f}s ("
+                  + ", ".join(f"{k} {v:.1f}s" for k, v in b["laps"].items()) + ")", flush=True)
+        return cold, ours_s, laps, bases, res
 
 
 def baseline(w: dict) -> dict:
@@ -173,22 +192,7 @@ def main() -> int:
     w = build(root, a.prompts, a.max_new_tokens)
     print(f"SmolLM2-135M-Instruct, {len(w['task'])} task prompts, {len(w['general'])} general prompts, {len(w['goldens'])} goldens, "
           f"max_new_tokens {w['mnt']}, {os.cpu_count()} cores", flush=True)
-    our_s: list[float] = []
-    our_laps: list[dict] = []
-    base_runs: list[dict] = []
-    res = None
-    for i in range(a.rounds):
-        res = anyio.run(ours, w, env, our_s, i == 0)
-        from finetune_mcp.phases.gate import read_eval_result
-
-        laps = read_eval_result(w["ws"].output_root / w["run_id"]).get("timings_s") or {}
-        our_laps.append(laps)
-        print(f"round {i + 1}: evaluate_checkpoint {our_s[-1]:.1f}s; in the job: "
-              + ", ".join(f"{k} {v:.1f}s" for k, v in laps.items()), flush=True)
-        b = baseline(w)
-        base_runs.append(b)
-        print(f"round {i + 1}: baseline load {b['load_s']:.1f}s + generate {b['generate_s']:.1f}s ("
-              + ", ".join(f"{k} {v:.1f}s" for k, v in b["laps"].items()) + ")", flush=True)
+    cold, our_s, our_laps, base_runs, res = anyio.run(rounds, w, env, a.rounds)
     best_ours = min(our_s)
     gen_keys = ("generate_tuned", "generate_base", "goldens", "drift_generate_base")
     our_gen = min(sum(l.get(k, 0) for k in gen_keys) for l in our_laps)
@@ -201,12 +205,22 @@ def main() -> int:
           f"perplexity ratio {res['drift']['perplexity_ratio']}, eval loss {res['eval_loss']}")
     print("\n| | seconds (best of rounds) |\n|---|---|")
     print(f"| evaluate_checkpoint (MCP call, warm worker) | {best_ours:.1f} |")
+    print(f"| evaluate_checkpoint, the session's first call (cold worker) | {cold:.1f} |")
     print(f"| baseline: load + plain batched generate | {best_total:.1f} |")
     print(f"| baseline: plain batched generate alone | {best_gen:.1f} |")
     print(f"| evaluate_checkpoint's own generation (same generations, inside the job) | {our_gen:.1f} |")
     extra = {k: min(l.get(k, 0) for l in our_laps) for k in ("drift_kl_pass", "perplexity", "eval_loss", "load")}
     print("\nbeyond the generations (best of rounds): " + ", ".join(f"{k} {v:.1f}s" for k, v in extra.items()))
     print(f"\nratio ours / (load + generate) = {best_ours / best_total:.2f} (goal <= 1.2); ours / generate alone = {best_ours / best_gen:.2f}")
+    # Each round's two measurements sit minutes apart; on a shared machine the load moves between rounds, so the
+    # ratio within a round (median over rounds) is the steadier figure.
+    per_round = sorted(o / (b["load_s"] + b["generate_s"]) for o, b in zip(our_s, base_runs))
+    gen_round = sorted(sum(l.get(k, 0) for k in gen_keys) / b["generate_s"] for l, b in zip(our_laps, base_runs))
+    med = per_round[len(per_round) // 2]
+    print(f"per round, ours / (load + generate): {', '.join(f'{r:.2f}' for r in per_round)} (median {med:.2f}); "
+          f"the generations alone: {', '.join(f'{r:.2f}' for r in gen_round)}")
+    print("BENCH " + json.dumps({"figure": "evaluate_checkpoint / plain batched generate (load included), median of per-round ratios, SmolLM2-135M",
+                                 "ours": None, "baseline": None, "ratio": round(med, 3), "goal": "<= 1.2"}))
     print("BENCH " + json.dumps({"figure": "evaluate_checkpoint / plain batched generate (load included), SmolLM2-135M",
                                  "ours": round(best_ours, 2), "baseline": round(best_total, 2), "ratio": round(best_ours / best_total, 3), "goal": "<= 1.2"}))
     print("BENCH " + json.dumps({"figure": "evaluate_checkpoint's generations / plain batched generate, SmolLM2-135M",

@@ -124,6 +124,13 @@ def test_suite_default_scorer_is_checked_against_the_prompts_it_will_judge(ws_ro
     gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: {name: numeric, tolerance: 0.5}\nthresholds: {max_kl: 0.2, max_perplexity_ratio: 1.1}\n")
     suite = gate.load_suite(ws.experiments_dir / "exp")
     assert [s.label() for s in suite["scorers"]] == ["numeric(tolerance=0.5)", "contains"]
+    # a line naming the default's scorer without its required option takes the default's; with no such default it is refused
+    gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: {name: regex, pattern: 'is (\\w+)'}\n")
+    gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "Capital?", "expected": "Paris", "scorer": {"name": "regex", "ignore_case": false}}\n')
+    assert gate.load_suite(ws.experiments_dir / "exp")["scorers"][0].options == {"pattern": "is (\\w+)", "ignore_case": False}
+    with pytest.raises(BadInput) as e:
+        gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: contains\n")
+    assert e.value.where == "eval/prompts.jsonl:1: scorer.pattern"
     # without drift.jsonl the shipped general prompts serve; the shipped text has its licence beside it
     assert suite["drift_source"] == "shipped general-prompts.jsonl" and len(suite["drift_prompts"]) == 12
     licence = (gate.GENERAL_TEXT.parent / "general-text.LICENSE.md").read_text()

@@ -76,9 +76,10 @@ def did_you_mean(word: str, options) -> str:
     return f" (did you mean {m[0]!r}?)" if m else ""
 
 
-def parse_spec(value: Any, where: str, inherit: ScorerSpec | None = None) -> ScorerSpec:
+def parse_spec(value: Any, where: str, inherit: ScorerSpec | None = None, complete: bool = True) -> ScorerSpec:
     """A scorer given as a name or as {"name": ..., option: value}; options not given come from
-    `inherit` when it is the same scorer (the suite default), else from the scorer's defaults."""
+    `inherit` when it is the same scorer (the suite default), else from the scorer's defaults. With
+    complete=False a required option may still be missing (a suite line checked before its default is known)."""
     if isinstance(value, str):
         raw: dict[str, Any] = {"name": value}
     elif isinstance(value, dict):
@@ -98,7 +99,7 @@ def parse_spec(value: Any, where: str, inherit: ScorerSpec | None = None) -> Sco
                            fix=f"options of {name}: {allowed}")
         base[k] = _check_option(name, k, v, f"{where}.{k}")
     missing = [k for k, v in base.items() if v is None]
-    if missing:
+    if missing and complete:
         raise BadInput(f"scorer {name} needs {', '.join(missing)}", where=f"{where}.{missing[0]}",
                        fix='e.g. {"name": "regex", "pattern": "answer is (\\\\w+)"}' if name == "regex" else None)
     return ScorerSpec(name, base)

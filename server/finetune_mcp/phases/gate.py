@@ -215,7 +215,8 @@ def _jsonl(text: str, name: str, required: tuple[str, ...], optional: tuple[str,
                 raise BadInput(f"eval/{name} line {i}: expected must be text or a non-empty list of accepted answers (texts)",
                                where=f"{where}: expected", fix='e.g. "expected": "Paris" or "expected": ["Paris", "paris, France"]')
         if "scorer" in row:
-            row_spec = scoring.parse_spec(row["scorer"], f"{where}: scorer")
+            # Options it leaves out may come from the suite default (eval.yaml): resolve_scorers completes it.
+            row_spec = scoring.parse_spec(row["scorer"], f"{where}: scorer", complete=False)
             scoring.check_expected(row_spec, scoring.accepted(row["expected"]), f"{where}: expected")
         rows.append(row)
         rows.lines.append(i)
