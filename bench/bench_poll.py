@@ -99,10 +99,7 @@ def main() -> int:
                 R.poll_progress(pc, run_id, cursor=end)
 
             def cold():
-                R._CACHE.clear()
-                R._NOTED.clear()
-                R._RUN_CONFIG.clear()
-                R._WRITES_PROGRESS.clear()
+                R.forget()
                 R.poll_progress(pc, run_id, cursor=end)
 
             results[n] = {"warm": time_calls(warm, a.calls), "cold": time_calls(cold, a.calls)}

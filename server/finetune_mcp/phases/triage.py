@@ -788,10 +788,10 @@ def _method_level(config: dict) -> str | None:
 
 def _config_history(run_dir: Path) -> list[dict]:
     """The experiment's config history: every run's resolved config.yaml up to this one, oldest first."""
-    from finetune_mcp.phases.run import _run_config
+    from finetune_mcp.phases.run import run_config
 
     runs = sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p.name <= run_dir.name)
-    return [c for c in map(_run_config, runs) if c]
+    return [c for c in map(run_config, runs) if c]
 
 
 def _packing_check(pc, config: dict, run_dir: Path):
@@ -817,13 +817,13 @@ def triage_failure(pc, run_id: str | None = None, log_path: str | None = None):
         real = pc.guard.check_read(log_path, "log_path")
         return triage_log_file(real)
 
-    from finetune_mcp.phases.run import _read_json_file, _run_config
+    from finetune_mcp.phases.run import read_json_file, run_config
 
     run_dir = pc.ws.run_dir(run_id)
-    config = _run_config(run_dir)
-    env_report = _read_json_file(run_dir / "env-report.json")
+    config = run_config(run_dir)
+    env_report = read_json_file(run_dir / "env-report.json")
     platform = (env_report or {}).get("platform")
-    exit_info = _read_json_file(run_dir / "exit.json")
+    exit_info = read_json_file(run_dir / "exit.json")
     log = run_dir / "logs" / "stdout.log"
     text = log.read_bytes().decode("utf-8", errors="replace") if log.is_file() else ""
     c = classify_text(text, exit_info=exit_info, platform=platform)
