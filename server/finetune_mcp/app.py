@@ -159,7 +159,7 @@ def _check_token(token: Any, role: Any, where: str, n: int) -> tuple[str, str]:
     what = f"token #{n}"
     if not isinstance(role, str) or not role.strip():
         raise BadInput(f"{what} has no role name", where=where, fix="map each token to training-engineer or eval-engineer")
-    if token is None or isinstance(token, (bool, int, float)):
+    if token is None or token == "" or isinstance(token, (bool, int, float)):
         raise BadInput(f"{what} (role {role}) is empty or not a string", where=where,
                        fix=f"give each token as a quoted string of at least {MIN_TOKEN_CHARS} characters, e.g. from `openssl rand -hex 24`")
     if not isinstance(token, str) or len(token.strip()) < MIN_TOKEN_CHARS or any(c.isspace() for c in token) or token.lower() in ("none", "null"):

@@ -144,6 +144,13 @@ def _write_json_atomic(path: str, obj: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the rename itself survives a crash only once its directory is on disk
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
 
 
 def main(argv: list[str]) -> int:

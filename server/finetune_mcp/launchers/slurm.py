@@ -20,13 +20,12 @@ import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from finetune_mcp.errors import BadInput, JobFailed, Refused
 from finetune_mcp.launchers.base import STOP_MARKER, WRAPPER_NAME, _WRAPPER_SRC, Launcher, RunSpec, Tick, _wait
-from finetune_mcp.workspace import utc_now
+from finetune_mcp.workspace import atomic_write_text, utc_now
 
 SBATCH_NAME = "slurm.sbatch"
 END_RECORD = "logs/slurm-job.txt"  # the scheduler's view of the job, saved by the batch script as it ends
@@ -530,9 +529,5 @@ class SlurmLauncher(Launcher):
 
 
 def _atomic_write(path: Path, text: str, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    atomic_write_text(path, text, mode)
 

@@ -83,6 +83,10 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
             raise Refused(f"{rel} has changed since its last commit: the run would not match any commit", where=str(p),
                           fix="commit the change (or run generate_config again, which commits), or restore the committed version; then launch")
     commit = git(repo, "rev-parse", "HEAD").strip()
+    try:  # a logging_steps the reader could not number records by is refused before anything exists
+        logging_every(_resolve_config(exp_dir, tag, {}))
+    except BadInput as e:
+        raise BadInput(e.message, where=f"configs/run-{tag}.yaml (merged over configs/base.yaml): logging_steps", fix=e.fix) from None
 
     device = "cpu" if report.get("platform") == "cpu" else "cuda"
     gpus = _gpu_ids(device)
