@@ -212,6 +212,9 @@ class LaunchRunArgs(Args):
     partition: str | None = None
     time_limit: Annotated[str | None, Field(description="Slurm time limit, e.g. 01:00:00")] = None
     account: str | None = None
+    resume_from: Annotated[str | None, Field(description="a failed or stopped run of this experiment (its id, or 'latest') to continue from its "
+                                                          "newest checkpoint: optimizer, scheduler and RNG state restored, records continue at "
+                                                          "the next step, in a new run beside it")] = None
 
 
 class PollProgressArgs(Args):
@@ -274,6 +277,7 @@ class LaunchResult(Result):
     command: list[str] = Field(default_factory=list)
     commit: str | None = None
     warnings_accepted: list[str] = Field(default_factory=list)
+    resumed_from: dict[str, Any] | None = Field(default=None, description="{run_id, checkpoint, step} of the run this one continues")
 
 
 class PollResult(Result):

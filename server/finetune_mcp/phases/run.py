@@ -12,8 +12,10 @@ import json
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from finetune_mcp.phases.progress import RECORD_KEYS, normalise_record  # noqa: 
 from finetune_mcp.phases.run_state import (  # noqa: F401  (re-exported)
     TERMINAL,
     RunState,
+    checkpoints,
     config_value,
     latest_checkpoint,
     live_runs,
@@ -47,7 +50,7 @@ from finetune_mcp.workspace import atomic_write_json, file_state, git, new_run_i
 
 def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: bool = False, launcher: str = "local",
                nproc: int = 1, nodes: int = 1, gpus_per_node: int | None = None, partition: str | None = None,
-               time_limit: str | None = None, account: str | None = None) -> S.LaunchResult:
+               time_limit: str | None = None, account: str | None = None, resume_from: str | None = None) -> S.LaunchResult:
     validate_tag(tag)
     exp_dir = pc.guard.check_read(pc.ws.experiment_dir(experiment))
     slurm_only = {"nodes": nodes if nodes != 1 else None, "gpus_per_node": gpus_per_node, "partition": partition,
@@ -83,14 +86,16 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
             raise Refused(f"{rel} has changed since its last commit: the run would not match any commit", where=str(p),
                           fix="commit the change (or run generate_config again, which commits), or restore the committed version; then launch")
     commit = git(repo, "rev-parse", "HEAD").strip()
+    planned = _resolve_config(exp_dir, tag, {})
     try:  # a logging_steps the reader could not number records by is refused before anything exists
-        logging_every(_resolve_config(exp_dir, tag, {}))
+        logging_every(planned)
     except BadInput as e:
         raise BadInput(e.message, where=f"configs/run-{tag}.yaml (merged over configs/base.yaml): logging_steps", fix=e.fix) from None
+    parent = resume_parent(pc, experiment, resume_from, tag, planned) if resume_from else None
 
     device = "cpu" if report.get("platform") == "cpu" else "cuda"
     gpus = _gpu_ids(device)
-    run_id = new_run_id(tag)
+    run_id = new_run_id(_resumed_tag(tag, parent.generation) if parent else tag)
     run_ref = f"{experiment}/{run_id}"
     run_dir = pc.guard.check_write(pc.ws.output_root / experiment / run_id)
     from finetune_mcp.worker import child_env, train_python
@@ -124,6 +129,9 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
         created = utc_now()
         meta = {"run_id": run_ref, "run_dir": str(run_dir), "experiment_commit": commit, "launcher": launcher,
                 "created_at": created}
+        if parent:
+            meta.update(resume_from_checkpoint=str(parent.checkpoint), resume_generation=parent.generation,
+                        resumed_from={"run_id": parent.run_ref, "checkpoint": parent.checkpoint.name, "step": parent.step})
         config = _resolve_config(exp_dir, tag, meta)
         # The reproducibility record exists before anything runs (layout seed, rule 3).
         pc.guard.write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
@@ -141,6 +149,8 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
         rec = lau.start(spec)
         run_json = {"run_id": run_ref, **rec, "launcher": launcher, "created_at": created, "device": device,
                     "gpus": list(gpus), "nproc": nproc, "train_python": spec.python, "experiment_commit": commit}
+        if parent:
+            run_json["resumed_from"] = meta["resumed_from"]
         pc.guard.write_text(run_dir / "run.json", json.dumps(run_json, indent=2) + "\n")
     except BaseException:
         # Nothing partial: a launch that did not start leaves no run directory behind.
@@ -152,12 +162,140 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
               f"launch_run: {launcher} (nproc {nproc}, {device}{' ' + ','.join(gpus) if gpus else ''}), {where}, "
               f"experiment commit {commit[:12]}" + (f"; accepted warnings: {'; '.join(warnings)}" if warnings else "")
               + (f"; not found to copy: {', '.join(missing)}" if missing else ""))
+    if parent:
+        _roadbook(pc, run_dir, "resumed",
+                  f"launch_run: resumes {parent.run_ref} ({parent.status}) from {parent.checkpoint.name}: model adapter, optimizer, "
+                  f"scheduler and RNG state are restored from it, so records continue at step {parent.step + 1}; "
+                  f"{parent.run_ref} keeps all its files")
+        _roadbook(pc, parent.run_dir, "resumed-by", f"launch_run: {run_ref} continues this run from {parent.checkpoint.name}")
     return S.LaunchResult(
-        summary=f"launched {run_ref} ({launcher}, {where}); follow it with poll_progress(run_id={run_ref!r})",
+        summary=f"launched {run_ref} ({launcher}, {where})"
+                + (f", resuming {parent.run_ref} at step {parent.step + 1} from {parent.checkpoint.name}" if parent else "")
+                + f"; follow it with poll_progress(run_id={run_ref!r})",
         citations=_cites(pc, ("spark-preflight", "verdict"), ("dgx-spark-ops", "run-layout")),
         run_id=run_ref, run_dir=str(run_dir), launcher=launcher, pid=rec.get("pid"), job_id=rec.get("job_id"),
         command=[str(c) for c in rec.get("command", [])], commit=commit, warnings_accepted=warnings,
+        resumed_from=meta.get("resumed_from"),
     )
+
+
+# ---------------------------------------------------------------- resume
+
+
+@dataclass
+class ResumeParent:
+    run_ref: str
+    run_dir: Path
+    status: str
+    checkpoint: Path
+    step: int
+    generation: int  # 1 for the first resume of a fresh run
+
+
+# What must be the same in the run that resumes as in the run whose checkpoint it loads, and the trap a
+# change walks into (FACTS "Resume": unsloth#233/#3108, peft#859, transformers#33336).
+_GROUPS = "optimizer parameter groups would not match the checkpoint's optimizer state"
+_JUMP = ("the restored optimizer, scheduler and data position assume the batches and schedule they were saved with: "
+         "a loss jump after resume")
+RESUME_FIXED_PREFIXES = {"calls.peft": _GROUPS, "calls.load": _GROUPS, "calls.quantization": _GROUPS, "model": _GROUPS,
+                         "method": _GROUPS, "backend": _GROUPS, "data.dir": _JUMP, "data.train": _JUMP, "data.train_file": _JUMP}
+RESUME_FIXED_KEYS = {
+    "lora_r": _GROUPS, "r": _GROUPS, "target_modules": _GROUPS, "modules_to_save": _GROUPS, "optim": _GROUPS,
+    "per_device_train_batch_size": _JUMP, "gradient_accumulation_steps": _JUMP, "learning_rate": _JUMP, "lr_scheduler_type": _JUMP,
+    "warmup_steps": _JUMP, "warmup_ratio": _JUMP, "weight_decay": _JUMP, "max_steps": _JUMP, "num_train_epochs": _JUMP,
+    "seed": _JUMP, "data_seed": _JUMP, "max_length": _JUMP, "max_seq_length": _JUMP, "packing": _JUMP, "max_grad_norm": _JUMP,
+    "adam_beta1": _JUMP, "adam_beta2": _JUMP, "adam_epsilon": _JUMP,
+}
+_NOT_COMPARED = ("run", "tag", "sources", "call_sources", "warnings", "citations", "memory_estimate", "overrides", "backend_reason")
+# A checkpoint without these would restart the optimizer or the schedule, or draw other batches.
+CHECKPOINT_STATE = {"trainer_state.json": "the step and log history", "optimizer.pt": "the optimizer state",
+                    "scheduler.pt": "the learning-rate schedule", "rng_state.pth": "the random state that draws the batches"}
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            if prefix or k not in _NOT_COMPARED:
+                out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def resume_conflicts(before: dict, after: dict) -> list[str]:
+    """The settings that differ between a checkpoint's run config and the config that would resume it, each with its trap."""
+    a, b = _flat(before), _flat(after)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        why = RESUME_FIXED_KEYS.get(key.rsplit(".", 1)[-1]) or next((w for p, w in RESUME_FIXED_PREFIXES.items()
+                                                                     if key == p or key.startswith(p + ".")), None)
+        if why:
+            out.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r} ({why})")
+    return out
+
+
+def _resumed_tag(tag: str, generation: int) -> str:
+    suffix = f"-r{generation}"
+    return tag[: 48 - len(suffix)] + suffix
+
+
+def resume_parent(pc: PhaseContext, experiment: str, resume_from: str, tag: str, planned: dict) -> ResumeParent:
+    """The run a launch resumes and its newest complete checkpoint; Refused, by name, for every known trap."""
+    root = pc.ws.output_root / experiment
+    if resume_from == "latest":
+        candidates = sorted((p for p in root.iterdir() if p.is_dir()), reverse=True) if root.is_dir() else []
+        picked = next((p for p in candidates if _resumable_checkpoint(p) is not None
+                       and run_state(p, read_json_file(p / "run.json"), True).status in ("failed", "stopped")), None)
+        if picked is None:
+            raise NotFound(f"{experiment} has no failed or stopped run with a checkpoint to resume", where=str(root),
+                           fix="launch without resume_from; set save_steps so that a run leaves checkpoints to resume from")
+        run_dir = picked
+    else:
+        ref = resume_from if "/" in resume_from else f"{experiment}/{resume_from}"
+        if ref.split("/", 1)[0] != experiment:
+            raise Refused(f"{resume_from!r} is a run of another experiment: a run resumes only within its own",
+                          where="resume_from", fix=f"name a run of {experiment}, or 'latest'")
+        run_dir = pc.guard.check_read(pc.ws.run_dir(ref))
+    run_ref = f"{experiment}/{run_dir.name}"
+    state = run_state(run_dir, read_json_file(run_dir / "run.json"), True)
+    if state.status in ("starting", "running"):
+        raise Refused(f"{run_ref} is still {state.status}: two trainers would share one checkpoint", where="resume_from",
+                      fix=f"stop_run(run_id={run_ref!r}) first (it saves a checkpoint), then resume it")
+    if state.status == "succeeded":
+        raise Refused(f"{run_ref} succeeded: it has nothing left to train", where="resume_from",
+                      fix="launch a new run (another tag) to train further")
+    found = _resumable_checkpoint(run_dir)
+    if found is None:
+        cps = [p.name for _, p in checkpoints(run_dir)]
+        raise Refused(f"{run_ref} has no complete checkpoint to resume from" + (f" ({', '.join(cps)} lack trainer state)" if cps else ""),
+                      where=str(run_dir / "checkpoints"),
+                      fix="launch it again from the start; lower save_steps so the next run leaves checkpoints (stop_run saves one)")
+    step, cp, missing = found
+    if missing:
+        raise Refused(f"{cp.name} of {run_ref} has no " + ", ".join(f"{f} ({CHECKPOINT_STATE[f]})" for f in missing)
+                      + ": resuming would restart it, a loss jump after resume", where=str(cp),
+                      fix="resume from a checkpoint the trainer saved whole, or start a new run")
+    conflicts = resume_conflicts(run_config(run_dir), planned)
+    if conflicts:
+        raise Refused(f"configs/run-{tag}.yaml differs from the config {run_ref} was trained with, in what a resume keeps:\n  "
+                      + "\n  ".join(conflicts), where=f"configs/run-{tag}.yaml",
+                      fix=f"resume with the tag {run_ref} ran ({run_config(run_dir).get('tag') or 'its own'}) and its committed config, "
+                          "or start a new run with the new values")
+    generation = int((run_config(run_dir).get("run") or {}).get("resume_generation") or 0) + 1
+    return ResumeParent(run_ref, run_dir, state.status, cp, step, generation)
+
+
+def _resumable_checkpoint(run_dir: Path) -> tuple[int, Path, list[str]] | None:
+    """The newest checkpoint the trainer finished writing (trainer_state.json is its last file), with what it lacks."""
+    for step, cp in reversed(checkpoints(run_dir)):
+        if (cp / "trainer_state.json").is_file():
+            missing = [f for f in CHECKPOINT_STATE if not (cp / f).is_file()]
+            if not any(cp.glob("rng_state*.pth")):
+                missing.append("rng_state.pth")
+            return step, cp, missing
+    return None
 
 
 def _env_report(pc: PhaseContext, exp_dir: Path, experiment: str) -> tuple[dict, Path]:
@@ -274,6 +412,7 @@ def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 2
             anomalies.append(S.Anomaly(kind="stalled", step=last["step"] if last else None,
                                        message=f"{what} (threshold {minutes:g} min, FINETUNE_MCP_STALL_MINUTES)"))
 
+    anomalies += _resume_jumps(pc, run_dir, got.records)
     _lifecycle_notes(pc, run_dir, state, last)
     pace = progress.throughput(run_dir, last["step"] if last else None, running=state.status == "running")
 
@@ -364,6 +503,53 @@ def _lifecycle_notes(pc: PhaseContext, run_dir: Path, state: RunState, last: dic
     for ev, text in todo:
         _roadbook(pc, run_dir, ev, text, once=True)
         noted.add(ev)
+    _requeue_notes(pc, run_dir, noted)
+
+
+_PARENT_MEDIAN: dict[tuple[str, int], float | None] = {}
+
+
+def _resume_jumps(pc: PhaseContext, run_dir: Path, records: list[dict]) -> list[S.Anomaly]:
+    """A resumed run whose first losses sit far above where the run it continues had got to (transformers#33336:
+    a fresh optimizer or schedule, other batches, a model reloaded without its adapter)."""
+    resumed = (run_config(run_dir).get("run") or {}).get("resumed_from")
+    if not isinstance(resumed, dict) or not records:
+        return []
+    rule = progress.spike_rule(pc.skills)
+    step = int(resumed.get("step") or 0)
+    early = [r for r in records if r["step"] <= step + rule.window and math.isfinite(r["loss"])]
+    if not early:
+        return []
+    key = (str(resumed.get("run_id")), step)
+    if key not in _PARENT_MEDIAN:
+        before = [r["loss"] for r in progress.all_records(pc.ws.output_root / key[0]) if r["step"] <= step and math.isfinite(r["loss"])]
+        _PARENT_MEDIAN[key] = statistics.median(before[-rule.window:]) if len(before) >= rule.min_history else None
+    med = _PARENT_MEDIAN[key]
+    return [S.Anomaly(kind="loss-jump-after-resume", step=r["step"],
+                      message=f"loss {r['loss']:.4g} at step {r['step']} is {r['loss'] / med:.1f}x the median {med:.4g} of "
+                              f"{key[0]} before {resumed.get('checkpoint')}: the resume did not restore the training state "
+                              "(optimizer, schedule, data order or adapter); compare both runs' config.yaml and stop this one")
+            for r in early if med and med > 0 and r["loss"] > rule.factor * med]
+
+
+def _requeue_notes(pc: PhaseContext, run_dir: Path, noted: set) -> None:
+    """Each time train.py resumed in its own directory (a requeued Slurm job, a restarted trainer), once in the roadbook."""
+    try:
+        lines = (run_dir / "logs" / "resumes.jsonl").read_text().splitlines()
+    except OSError:
+        return
+    for i, line in enumerate(lines, 1):
+        ev = f"requeued-{i}"
+        if ev in noted:
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        _roadbook(pc, run_dir, ev, f"train.py restarted in this run directory (attempt {r.get('attempt', '?')}) and resumed from its own "
+                                   f"{r.get('checkpoint')}: optimizer, scheduler and RNG state restored; the records of steps it "
+                                   f"recomputes after step {r.get('step')} were already written and are not repeated", once=True)
+        noted.add(ev)
 
 
 def forget() -> None:
@@ -371,6 +557,7 @@ def forget() -> None:
     from finetune_mcp.phases import run_state
 
     _NOTED.clear()
+    _PARENT_MEDIAN.clear()
     progress.forget()
     run_state.forget()
 
