@@ -337,8 +337,9 @@ class SlurmLauncher(Launcher):
             "#SBATCH --open-mode=append",
             f"#SBATCH --nodes={o['nodes']}",
             "#SBATCH --ntasks-per-node=1",
-            # A requeued job would start over in the same run directory and overwrite its records.
-            "#SBATCH --no-requeue",
+            # A requeued job (preemption, a node failure, `scontrol requeue`) runs this script again in the same
+            # run directory: train.py resumes from the run's own newest checkpoint and appends only new records.
+            "#SBATCH --requeue",
         ]
         if o["gpus_per_node"]:
             lines.append(f"#SBATCH --gpus-per-node={o['gpus_per_node']}")
@@ -359,7 +360,8 @@ class SlurmLauncher(Launcher):
                 "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
                 "export MASTER_ADDR MASTER_PORT",
             ]
-        lines.append('echo "finetune-mcp: slurm job $SLURM_JOB_ID on ${SLURM_JOB_NODELIST:-?} started $(date -u +%FT%TZ)"')
+        lines.append('echo "finetune-mcp: slurm job $SLURM_JOB_ID on ${SLURM_JOB_NODELIST:-?} started $(date -u +%FT%TZ)'
+                     ' (restart ${SLURM_RESTART_COUNT:-0})"')
         wrapper = [spec.python, str(R / WRAPPER_NAME), "--run-dir", str(R), "--"]
         cmd = " ".join(_sh(a) for a in wrapper + self.render(spec))
         lines += [
