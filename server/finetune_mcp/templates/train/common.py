@@ -99,6 +99,21 @@ def report_to(cfg, run_dir):
         return []
     logs = Path(run_dir) / "logs"
     project = tracking.get("project") or cfg.get("experiment") or "finetune-mcp"
+    # Each store is chosen before its library is imported: trackio, for one, reads TRACKIO_DIR at import.
+    if wanted == "tensorboard":
+        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(logs))
+    elif wanted == "trackio":
+        os.environ.setdefault("TRACKIO_DIR", str(logs / "trackio"))  # local SQLite, no Space
+    elif wanted == "mlflow":
+        os.environ.setdefault("MLFLOW_TRACKING_URI", (logs / "mlruns").as_uri())  # a local file store
+        # MLflow 3 keeps the file store in maintenance mode and refuses it unless asked: it is still the one
+        # store that needs no database and travels with the run directory.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", project)
+    elif wanted == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(logs))
+        os.environ.setdefault("WANDB_PROJECT", project)
     try:
         __import__(TRACKER_MODULES[wanted])
     except ImportError:
@@ -107,17 +122,14 @@ def report_to(cfg, run_dir):
             return []
         raise SystemExit(f"report_to: {wanted} is not installed in the training environment: "
                          f"pip install 'finetune-mcp[tracking]' there, or set report_to: tensorboard in the brief's Tracking section")
-    if wanted == "tensorboard":
-        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(logs))
-    elif wanted == "trackio":
-        os.environ.setdefault("TRACKIO_DIR", str(logs / "trackio"))  # local SQLite, no Space
-    elif wanted == "mlflow":
-        os.environ.setdefault("MLFLOW_TRACKING_URI", (logs / "mlruns").as_uri())  # a local file store
-        os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", project)
-    elif wanted == "wandb":
-        os.environ.setdefault("WANDB_MODE", "offline")
-        os.environ.setdefault("WANDB_DIR", str(logs))
-        os.environ.setdefault("WANDB_PROJECT", project)
+    if wanted == "mlflow" and int(os.environ.get("RANK", "0")) == 0:
+        import mlflow
+
+        # The trainer's callback ends the run it starts when training ends, and the evaluation after it would
+        # open a second, randomly named run: one run, opened here, holds both.
+        mlflow.set_experiment(project)
+        if mlflow.active_run() is None:
+            mlflow.start_run(run_name=(cfg.get("run") or {}).get("run_id"))
     return [wanted]
 
 
