@@ -17,9 +17,9 @@ import pytest
 
 from conftest import REPO, mcp_session, server_command
 
-TRAINING_TOOLS = {"prepare_dataset", "preflight", "generate_config", "launch_run", "poll_progress", "stop_run",
+TRAINING_TOOLS = {"prepare_dataset", "preflight", "generate_config", "launch_run", "poll_progress", "compare_runs", "stop_run",
                   "prune_checkpoints", "triage_failure", "export"}
-EVAL_TOOLS = {"evaluate_checkpoint", "record_verdict", "write_eval_file", "poll_progress"}
+EVAL_TOOLS = {"evaluate_checkpoint", "record_verdict", "write_eval_file", "poll_progress", "compare_runs"}
 HEAVY = ("torch", "transformers", "trl", "peft", "datasets", "unsloth", "accelerate")
 
 

@@ -322,6 +322,57 @@ class PruneResult(Result):
     removed: list[str] = Field(default_factory=list)
 
 
+# --- compare_runs ------------------------------------------------------------------------
+
+
+class CompareRunsArgs(Args):
+    """The runs of one experiment side by side: each config value that differs from the first run, final and best
+    loss, eval loss and accuracy, wall time and tokens/s; and one PNG with their loss curves overlaid."""
+
+    experiment: str
+    runs: Annotated[list[str] | None, Field(description="run ids to compare, the first being the baseline (default: every run of the experiment, oldest first)")] = None
+    plot: Annotated[bool, Field(description="also return the overlaid loss curves as a PNG image")] = True
+
+
+class CompareRow(BaseModel):
+    run_id: str
+    status: str
+    differs: dict[str, Any] = Field(default_factory=dict, description="this run's value of every setting that is not the same in all runs")
+    steps: int
+    final_loss: float | None = None
+    best_loss: float | None = None
+    best_step: int | None = None
+    eval_loss: float | None = None
+    eval_accuracy: float | None = Field(default=None, description="task accuracy from the eval engineer's eval-report.md")
+    wall_s: float | None = None
+    tokens_per_s: float | None = None
+    resumed_from: str | None = None
+
+
+class CompareResult(Result):
+    experiment: str
+    baseline: str
+    varied: list[str] = Field(default_factory=list, description="settings whose value differs from the baseline in at least one run")
+    runs: list[CompareRow]
+
+    def text(self) -> str:
+        def cell(v: Any) -> str:
+            if v is None:
+                return "—"
+            if isinstance(v, float):
+                return f"{v:.4g}"
+            return str(v).replace("|", "\\|")
+
+        cols = ["run", "status", *self.varied, "steps", "final loss", "best loss (step)", "eval loss", "eval acc", "wall s", "tokens/s"]
+        lines = [self.summary, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in self.runs:
+            best = f"{cell(r.best_loss)} ({r.best_step})" if r.best_loss is not None else "—"
+            lines.append("| " + " | ".join([r.run_id.split("/", 1)[1], r.status, *(cell(r.differs.get(k)) for k in self.varied), str(r.steps),
+                                            cell(r.final_loss), best, cell(r.eval_loss), cell(r.eval_accuracy), cell(r.wall_s),
+                                            cell(r.tokens_per_s)]) + " |")
+        return "\n".join(lines)
+
+
 # --- triage_failure ----------------------------------------------------------------------
 
 

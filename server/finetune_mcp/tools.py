@@ -74,6 +74,7 @@ TOOLS: tuple[Tool, ...] = (
     Tool("launch_run", "run", S.LaunchRunArgs, S.LaunchResult, TRAINING, WRITES_ANEW, "Phase 4: launch training in the background"),
     Tool("poll_progress", "run", S.PollProgressArgs, S.PollResult, BOTH, READ_ONLY, "Poll a run's progress"),
     Tool("stop_run", "run", S.StopRunArgs, S.StopResult, TRAINING, DELETES, "Stop a run cleanly"),
+    Tool("compare_runs", "compare", S.CompareRunsArgs, S.CompareResult, BOTH, READ_ONLY, "Compare an experiment's runs"),
     Tool("prune_checkpoints", "run", S.PruneCheckpointsArgs, S.PruneResult, TRAINING, DELETES, "Delete a succeeded run's checkpoints"),
     Tool("triage_failure", "triage", S.TriageFailureArgs, S.TriageResult, TRAINING, READ_ONLY, "Classify a failed run or log"),
     Tool("export", "export", S.ExportArgs, S.ExportResult, TRAINING, WRITES, "Phase 6: export a promoted run"),
