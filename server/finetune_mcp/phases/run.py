@@ -172,7 +172,8 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
         summary=f"launched {run_ref} ({launcher}, {where})"
                 + (f", resuming {parent.run_ref} at step {parent.step + 1} from {parent.checkpoint.name}" if parent else "")
                 + f"; follow it with poll_progress(run_id={run_ref!r})",
-        citations=_cites(pc, ("spark-preflight", "verdict"), ("dgx-spark-ops", "run-layout")),
+        citations=_cites(pc, ("spark-preflight", "verdict"), ("dgx-spark-ops", "run-layout"),
+                         *((("dgx-spark-ops", "resume"),) if parent else ())),
         run_id=run_ref, run_dir=str(run_dir), launcher=launcher, pid=rec.get("pid"), job_id=rec.get("job_id"),
         command=[str(c) for c in rec.get("command", [])], commit=commit, warnings_accepted=warnings,
         resumed_from=meta.get("resumed_from"),
@@ -291,8 +292,10 @@ def _resumable_checkpoint(run_dir: Path) -> tuple[int, Path, list[str]] | None:
     """The newest checkpoint the trainer finished writing (trainer_state.json is its last file), with what it lacks."""
     for step, cp in reversed(checkpoints(run_dir)):
         if (cp / "trainer_state.json").is_file():
-            missing = [f for f in CHECKPOINT_STATE if not (cp / f).is_file()]
-            if not any(cp.glob("rng_state*.pth")):
+            missing = [f for f in ("trainer_state.json", "scheduler.pt") if not (cp / f).is_file()]
+            if not any((cp / n).is_file() for n in ("optimizer.pt", "optimizer.bin")):  # .bin: saved through Accelerate
+                missing.append("optimizer.pt")
+            if not any(cp.glob("rng_state*.pth")):  # rng_state_<rank>.pth under DDP
                 missing.append("rng_state.pth")
             return step, cp, missing
     return None
