@@ -422,12 +422,50 @@ def _history_tail(run_dir: Path, want: int) -> list[dict]:
         return records_backward(f, os.fstat(f.fileno()).st_size, want, parse, max_bytes=1 << 20)
 
 
+@dataclass(frozen=True)
+class _Pace:
+    tokens_per_s: float | None
+    steps_per_s: float | None
+    newest_step: int
+    newest_time: float
+
+
+_PACE: dict[str, tuple[tuple[int, int, int], _Pace | None]] = {}
+
+
 def throughput(run_dir: Path, last_step: int | None, running: bool) -> Throughput:
     """Tokens/s and steps/s over the last THROUGHPUT_WINDOW trainer logs, and the time left to max_steps at that pace.
 
     Only logs of the current stretch count: a step that goes backwards or a pause longer than ten
-    logging intervals (a resume, a requeue) starts the window afresh.
+    logging intervals (a resume, a requeue) starts the window afresh. The rates are remembered until
+    log_history.jsonl changes, so a poll with nothing new costs one stat.
     """
+    path = run_dir / "logs" / "log_history.jsonl"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return Throughput(None, None, None)
+    key = (st.st_ino, st.st_size, st.st_mtime_ns)
+    with _CACHE_LOCK:
+        seen = _PACE.get(str(path))
+    if seen is not None and seen[0] == key:
+        pace = seen[1]
+    else:
+        pace = _pace(run_dir)
+        with _CACHE_LOCK:
+            _PACE[str(path)] = (key, pace)
+    if pace is None:
+        return Throughput(None, None, None)
+    eta = None
+    max_steps = config_value(run_dir, "max_steps")
+    if running and pace.steps_per_s and isinstance(max_steps, int) and max_steps > 0:
+        step = last_step if last_step is not None else pace.newest_step
+        behind = time.time() - pace.newest_time  # time already spent since the newest log
+        eta = max(0.0, (max_steps - step) / pace.steps_per_s - behind)
+    return Throughput(pace.tokens_per_s, pace.steps_per_s, eta)
+
+
+def _pace(run_dir: Path) -> _Pace | None:
     hist = _history_tail(run_dir, THROUGHPUT_WINDOW)
     gaps = [b["time"] - a["time"] for a, b in zip(hist, hist[1:]) if b["step"] > a["step"]]
     longest = 10 * statistics.median(gaps) if gaps else None
@@ -439,11 +477,11 @@ def throughput(run_dir: Path, last_step: int | None, running: bool) -> Throughpu
         start -= 1
     hist = hist[start:]
     if len(hist) < 2:
-        return Throughput(None, None, None)
+        return None
     first, newest = hist[0], hist[-1]
     dt = newest["time"] - first["time"]
     if dt <= 0:
-        return Throughput(None, None, None)
+        return None
     steps_per_s = (newest["step"] - first["step"]) / dt or None
     tokens_per_s = None
     for k in TOKEN_KEYS:
@@ -451,17 +489,12 @@ def throughput(run_dir: Path, last_step: int | None, running: bool) -> Throughpu
         if len(toks) >= 2 and toks[-1][0] > toks[0][0]:
             tokens_per_s = (toks[-1][1] - toks[0][1]) / (toks[-1][0] - toks[0][0])
             break
-    eta = None
-    max_steps = config_value(run_dir, "max_steps")
-    if running and steps_per_s and isinstance(max_steps, int) and max_steps > 0:
-        step = last_step if last_step is not None else newest["step"]
-        behind = time.time() - newest["time"]  # time already spent since the newest log
-        eta = max(0.0, (max_steps - step) / steps_per_s - behind)
-    return Throughput(tokens_per_s, steps_per_s, eta)
+    return _Pace(tokens_per_s, steps_per_s, newest["step"], newest["time"])
 
 
 def forget() -> None:
     """Drop what this server remembers of runs' sources (as a freshly started server would)."""
     with _CACHE_LOCK:
         _CACHE.clear()
+        _PACE.clear()
     _WRITES_PROGRESS.clear()

@@ -535,12 +535,23 @@ def _resume_jumps(pc: PhaseContext, run_dir: Path, records: list[dict]) -> list[
             for r in early if med and med > 0 and r["loss"] > rule.factor * med]
 
 
+_RESUMES_SEEN: dict[str, int] = {}
+
+
 def _requeue_notes(pc: PhaseContext, run_dir: Path, noted: set) -> None:
     """Each time train.py resumed in its own directory (a requeued Slurm job, a restarted trainer), once in the roadbook."""
+    path = run_dir / "logs" / "resumes.jsonl"
     try:
-        lines = (run_dir / "logs" / "resumes.jsonl").read_text().splitlines()
+        size = os.stat(path).st_size
     except OSError:
         return
+    if _RESUMES_SEEN.get(str(path)) == size:
+        return  # nothing new since this server last looked
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return
+    _RESUMES_SEEN[str(path)] = size
     for i, line in enumerate(lines, 1):
         ev = f"requeued-{i}"
         if ev in noted:
@@ -561,6 +572,7 @@ def forget() -> None:
 
     _NOTED.clear()
     _PARENT_MEDIAN.clear()
+    _RESUMES_SEEN.clear()
     progress.forget()
     run_state.forget()
 
