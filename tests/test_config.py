@@ -318,7 +318,7 @@ def test_every_method_and_backend_renders_and_byte_compiles(method, backend, tmp
     # standalone: only the training stack, pyyaml and the standard library
     imported = set(re.findall(r"^\s*(?:from|import)\s+([A-Za-z_][\w]*)", text, re.M))
     stack = {"torch", "transformers", "trl", "peft", "datasets", "yaml", "unsloth", "PIL", "psutil", "pynvml", "tensorboard", "matplotlib"}
-    stdlib = {"__future__", "argparse", "hashlib", "json", "math", "os", "shutil", "signal", "sys", "threading", "time", "pathlib"}
+    stdlib = {"__future__", "argparse", "hashlib", "json", "math", "os", "re", "shutil", "signal", "sys", "threading", "time", "pathlib"}
     assert imported <= stack | stdlib, imported - stack - stdlib
     assert "import finetune_mcp" not in text and "from finetune_mcp" not in text
     sh = C.render_train_sh(method, backend, "demo-experiment", "t1", recipe.label)

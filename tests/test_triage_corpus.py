@@ -1,12 +1,14 @@
-"""Triage against the corpus of real public training logs, plus the ordering rules it must keep.
+"""Triage against the corpus of real public training logs: the development part case by case, plus the ordering rules it must keep.
 
-The corpus (tests/fixtures/logs/index.yaml) holds verbatim excerpts of public issue threads with
-the class a careful engineer assigns; the classifier is judged on it, never the other way round.
+The corpus (tests/fixtures/logs/index.yaml) holds verbatim excerpts of public issue threads and pages
+with the class a careful engineer assigns; the classifier is judged on it, never the other way round.
+Only the development part is asserted here; the held-out part (split fixed by a hash of the source
+thread before any rule was tuned) is measured by bench/bench_triage.py and never tuned on.
 """
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import json
 import math
 import re
@@ -18,22 +20,19 @@ from pathlib import Path
 import pytest
 import yaml
 
+import finetune_mcp.triage as triage
 from finetune_mcp.errors import BadInput
-from finetune_mcp.phases import triage
-from finetune_mcp.phases.triage import (
-    CAUSE_ORDER,
-    classify_records,
-    classify_text,
-    divergence_causes,
-    load_ladder_table,
-    load_signal_table,
-    oom_next_rung,
-    rungs_tried,
-)
+from finetune_mcp.triage import classify_records, classify_text, load_signal_table
+from finetune_mcp.triage.parse import to_number
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 INDEX = yaml.safe_load((LOGS / "index.yaml").read_text(encoding="utf-8"))["cases"]
 CASES = {c["file"]: c for c in INDEX}
+DEV = [c for c in INDEX if c["split"] == "dev"]
+FIELDS = {"file", "class", "check", "none_kind", "platform", "exit_info", "expected_miss", "source", "note", "format", "split", "legacy"}
+# The formats issue 22 asks the corpus to span (the index names each case's format).
+REQUIRED_FORMATS = {"hf-trainer", "accelerate-torchrun", "deepspeed", "megatron", "nemo-lightning", "torchtune", "unsloth",
+                    "axolotl", "llamafactory", "ms-swift", "verl-openrlhf", "mlx", "slurm", "ray", "kernel", "jupyter"}
 
 
 def _text(name: str) -> str:
@@ -53,24 +52,48 @@ def _correct(case: dict, r) -> bool:
 # --- the corpus itself ---------------------------------------------------------------------------
 
 
+def _split_of(source: str, legacy_sources: set[str]) -> str:
+    if source in legacy_sources:
+        return "dev"
+    return "heldout" if int(hashlib.sha256(source.encode()).hexdigest()[:8], 16) % 10 < 6 else "dev"
+
+
 def test_index_and_files_agree():
     files = {p.name for p in LOGS.glob("*.log")}
     assert files == set(CASES), f"unindexed: {files - set(CASES)}; missing files: {set(CASES) - files}"
     assert len(INDEX) == len(CASES), "a file is indexed twice"
     for c in INDEX:
-        assert set(c) <= {"file", "class", "check", "none_kind", "platform", "exit_info", "expected_miss", "source", "note"}, c["file"]
+        assert set(c) <= FIELDS, c["file"]
         assert c["class"] in ("environment", "divergence", "oom", "none"), c["file"]
-        assert re.match(r"^https://github\.com/[^/]+/[^/]+/(issues|pull)/\d+$", c["source"]), c["file"]
+        assert re.match(r"^https://[^\s/]+\.[^\s/]+/\S+$", c["source"]), c["file"]
         assert ("none_kind" in c) == (c["class"] == "none"), c["file"]
+        assert c.get("none_kind") in (None, "healthy", "stopped"), c["file"]
         assert "check" not in c or c["class"] == "environment", c["file"]
+        assert c["format"] and c["split"] in ("dev", "heldout"), c["file"]
         assert _text(c["file"]).strip(), f"{c['file']} is empty"
 
 
-def test_corpus_covers_every_class_and_the_look_alikes():
+def test_split_is_the_fixed_hash_rule_by_source_thread():
+    # The split was fixed before tuning (index header): a case's split follows from its source alone,
+    # so nobody can move a hard case to dev, and two excerpts of one thread share a side.
+    legacy = {c["source"] for c in INDEX if c.get("legacy")}
+    for c in INDEX:
+        assert c["split"] == _split_of(c["source"], legacy), f"{c['file']}: split {c['split']} breaks the rule"
+    held = sum(c["split"] == "heldout" for c in INDEX)
+    assert held / len(INDEX) >= 0.30, f"only {held}/{len(INDEX)} held out"
+    assert not any(c.get("legacy") and c["split"] == "heldout" for c in INDEX)
+
+
+def test_corpus_covers_every_class_format_and_the_look_alikes():
     per_class = Counter(c["class"] for c in INDEX)
     print(f"\ncorpus: {len(INDEX)} cases - " + ", ".join(f"{k} {v}" for k, v in sorted(per_class.items())))
-    assert len(INDEX) >= 40
-    assert all(per_class[k] >= 5 for k in ("environment", "divergence", "oom", "none")), per_class
+    assert len(INDEX) >= 200
+    assert all(per_class[k] >= 40 for k in ("environment", "divergence", "oom", "none")), per_class
+    assert sum(c.get("none_kind") == "healthy" for c in INDEX) >= 30
+    missing = REQUIRED_FORMATS - {c["format"] for c in INDEX}
+    assert not missing, f"no case in format(s) {sorted(missing)}"
+    for part in ("dev", "heldout"):
+        assert {c["class"] for c in INDEX if c["split"] == part} == {"environment", "divergence", "oom", "none"}
     # The look-alikes the issue names must each have a real case.
     for name in ("env-illegal-memory-access-unsloth-grpo.log", "none-stop-run-sigkill-exitcode-9.log",
                  "oom-nccl-timeout-after-rank-oom-swift.log", "env-slurm-time-limit-srun.log"):
@@ -78,11 +101,12 @@ def test_corpus_covers_every_class_and_the_look_alikes():
 
 
 def test_every_signal_is_seen_in_the_corpus_or_says_why_not():
-    # A signal no real log exercises is a guess; the two below are explained in the index header
-    # (no public log found) or are exit-status-only and unit-tested further down.
-    unexercised_ok = {"slurm-node-failure", "exit-sigkill"}
+    # A signal no dev log exercises is either a guess or a held-out-only case: slurm-node-failure has
+    # no public log (index header), exit-sigkill is exit-status-only, cuda-toolkit-missing and loss-rise
+    # appear only in held-out logs (asserted there by bench only) - all four are unit-tested.
+    unexercised_ok = {"slurm-node-failure", "exit-sigkill", "cuda-toolkit-missing", "loss-rise"}
     seen: set[str] = set()
-    for c in INDEX:
+    for c in DEV:
         seen.update(_classify(c).signals)
         if c.get("exit_info"):
             seen.update(classify_text(_text(c["file"])).signals)
@@ -95,7 +119,7 @@ def test_every_signal_is_seen_in_the_corpus_or_says_why_not():
 
 
 def _params():
-    for c in INDEX:
+    for c in DEV:
         marks = [pytest.mark.xfail(reason=c["expected_miss"], strict=True)] if c.get("expected_miss") else []
         yield pytest.param(c, id=c["file"].removesuffix(".log"), marks=marks)
 
@@ -104,6 +128,8 @@ def _params():
 def test_fixture_classified(case):
     r = _classify(case)
     assert r.failure_class == case["class"], r.reason
+    assert 0 < r.confidence <= 1
+    assert r.runner_up is not None and r.runner_up.failure_class != r.failure_class
     if "check" in case:
         assert r.check_id == case["check"], r.reason
     if "none_kind" in case:
@@ -116,11 +142,14 @@ def test_fixture_classified(case):
         assert r.evidence or "exit status" in r.reason, "a failure must show the lines that prove it"
 
 
-def test_corpus_accuracy():
-    hits = sum(_correct(c, _classify(c)) for c in INDEX)
-    accuracy = hits / len(INDEX)
-    print(f"\ntriage corpus accuracy: {hits}/{len(INDEX)} = {accuracy:.1%}")
+def test_dev_accuracy_and_never_silent():
+    results = [(c, _classify(c)) for c in DEV]
+    hits = sum(_correct(c, r) for c, r in results)
+    accuracy = hits / len(DEV)
+    print(f"\ntriage dev accuracy: {hits}/{len(DEV)} = {accuracy:.1%} (held-out: bench/bench_triage.py)")
     assert accuracy >= 0.90
+    silent = [c["file"] for c, r in results if c["class"] != "none" and r.failure_class == "none"]
+    assert not silent, f"failures read none: {silent}"
 
 
 # --- the look-alike rules --------------------------------------------------------------------------
@@ -144,8 +173,10 @@ def test_exit_status_alone():
     assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "healthy")
     r = classify_text("Traceback (most recent call last):\nValueError: handled\n", exit_info={"returncode": 0})
     assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "healthy")
+    # Never silent: a non-zero exit with no line saying why still gets a class, weakly.
     r = classify_text("all good\n", exit_info={"returncode": 3})
-    assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "unrecognised")
+    assert r.failure_class == "environment" and r.signals[0] == "fallback-setup" and r.confidence < 0.5
+    assert any("exception type alone" in m for m in r.missing_evidence)
     with pytest.raises(BadInput):
         classify_text("", exit_info={"signal": "SIGNOPE"})
 
@@ -156,6 +187,7 @@ def test_nccl_timeout_after_a_rank_oom_is_the_oom():
     assert r.signals[0] == "cuda-oom" and "nccl-timeout" in r.signals
     assert any("torch.OutOfMemoryError" in t for _, t in r.evidence)
     assert "outranked" in r.reason and "nccl-timeout" in r.reason
+    assert r.runner_up is not None and r.runner_up.failure_class == "environment"
 
 
 def test_nccl_timeout_alone_is_environment_without_a_check():
@@ -180,10 +212,14 @@ def test_checks_follow_the_platform():
     assert classify_text(driver, platform="dgx-spark").check_id == "G1"
 
 
-def test_unrecognised_shows_the_error_lines():
-    r = classify_text(_text("none-unrecognised-keyerror-text-sft.log"))
-    assert r.healthy_or_unrecognised == "unrecognised"
+def test_a_failure_no_signal_names_gets_the_likeliest_class_and_shows_its_error():
+    r = classify_text(_text("env-setup-keyerror-text-column-sft.log"))
+    assert (r.failure_class, r.signals[0]) == ("environment", "fallback-setup")
     assert any("KeyError: 'text'" in t for _, t in r.evidence)
+    assert r.confidence < 0.5 and r.missing_evidence
+    # A Ctrl-C stop is not a failure even with a traceback around it.
+    stopped = classify_text(_text("none-user-interrupt-sigint-torchrun.log"))
+    assert (stopped.failure_class, stopped.healthy_or_unrecognised) == ("none", "stopped")
 
 
 def test_windows_line_endings_keep_line_numbers():
@@ -229,117 +265,6 @@ def test_records_bad_input():
         classify_records([3])
 
 
-# --- divergence causes, in order ---------------------------------------------------------------------
-
-RANGES = {"sft-lora": [1e-4, 3e-4], "dpo": [1e-6, 1e-5], "grpo": [1e-6, 1e-5]}
-BF16_OK = {"checks": [{"id": "G7", "status": "pass"}]}
-
-
-def _never_called():
-    raise AssertionError("packing was checked although an earlier cause explained the divergence")
-
-
-def test_causes_keep_the_fixed_order_and_stop_at_the_first():
-    assert CAUSE_ORDER == ("precision", "learning-rate", "packing")
-    r = divergence_causes({"fp16": True, "method": "sft-lora", "learning_rate": 2e-4, "packing": True}, BF16_OK, RANGES, _never_called)
-    assert [c["cause"] for c in r] == list(CAUSE_ORDER)
-    assert [c["verdict"] for c in r] == ["explains", "not-checked", "not-checked"]
-    assert "switch to bf16" in r[0]["why"] and "stopped at precision" in r[1]["why"]
-
-
-def test_learning_rate_checked_once_precision_is_cleared():
-    r = divergence_causes({"bf16": True, "method": "dpo", "learning_rate": 2e-4, "packing": True}, BF16_OK, RANGES, _never_called)
-    assert [c["verdict"] for c in r] == ["cleared", "explains", "not-checked"]
-    assert "bf16 on hardware that supports it" in r[0]["why"]
-    assert "sft-lora" in r[1]["why"]  # the rate belongs to another method's range
-
-
-def test_packing_only_after_both_are_cleared():
-    calls = []
-
-    def check():
-        calls.append(1)
-        return {"ok": False, "why": "sample 3 continues across an EOS with its mask off"}
-
-    cfg = {"training": {"bf16": True, "learning_rate": 2e-4}, "method": "sft-lora", "packing": True}
-    r = divergence_causes(cfg, BF16_OK, RANGES, check)
-    assert [c["verdict"] for c in r] == ["cleared", "cleared", "explains"] and calls == [1]
-    assert "EOS" in r[2]["why"]
-    r = divergence_causes({**cfg, "packing": False}, BF16_OK, RANGES, _never_called)
-    assert r[2]["verdict"] == "cleared"
-
-
-def test_bf16_without_support_and_unknown_support():
-    no = {"checks": [{"id": "N5", "status": "fail"}]}
-    assert divergence_causes({"bf16": True}, no, RANGES, None)[0]["verdict"] == "explains"
-    unknown = divergence_causes({"bf16": True, "method": "sft-lora", "learning_rate": 2e-4}, None, RANGES, None)
-    assert [c["verdict"] for c in unknown] == ["not-checked", "cleared", "not-checked"]
-    fp32 = divergence_causes({"fp16": False, "bf16": False}, None, RANGES, None)
-    assert fp32[0]["verdict"] == "cleared"
-
-
-# --- the OOM ladder ----------------------------------------------------------------------------------
-
-RUNGS = ["flush", "reduce-batch-or-seq", "downgrade-method"]
-
-
-def test_first_rung_is_flush_never_batch():
-    assert oom_next_rung([]).id == "flush"
-    # Having already cut the batch does not let the ladder skip the flush.
-    assert oom_next_rung(["reduce-batch-or-seq"]).id == "flush"
-    assert oom_next_rung(["flush"]).id == "reduce-batch-or-seq"
-    assert oom_next_rung(["flush", "reduce-batch-or-seq"]).id == "downgrade-method"
-
-
-def test_escalation_only_after_every_rung():
-    for n in range(len(RUNGS) + 1):
-        for tried in itertools.combinations(RUNGS, n):
-            nxt = oom_next_rung(list(tried))
-            if set(tried) == set(RUNGS):
-                assert (nxt.kind, nxt.id) == ("escalation", "smaller-model")
-            else:
-                assert nxt.kind == "rung" and nxt.id == next(r for r in RUNGS if r not in tried)
-    assert oom_next_rung(RUNGS + ["smaller-model"]).id == "multi-node"
-    assert oom_next_rung(RUNGS + ["smaller-model", "multi-node"]).kind == "exhausted"
-
-
-def test_downgrade_follows_bf16_lora_before_qlora():
-    assert "full to bf16-lora" in oom_next_rung(["flush", "reduce-batch-or-seq"], current_method="full").detail
-    assert "bf16-lora to qlora" in oom_next_rung(["flush", "reduce-batch-or-seq"], current_method="bf16-lora").detail
-    spent = oom_next_rung(["flush", "reduce-batch-or-seq"], current_method="qlora")
-    assert spent.kind == "escalation" and "already qlora" in spent.detail
-    assert oom_next_rung([], current_method="qlora").id == "flush"
-
-
-def test_ladder_refuses_bad_input():
-    with pytest.raises(BadInput):
-        oom_next_rung(["halve-batch"])
-    with pytest.raises(BadInput):
-        oom_next_rung([], current_method="sft-lora")
-
-
-def test_ladder_table_refuses_batch_first():
-    from pydantic import ValidationError
-
-    from finetune_mcp.skilltables import OomLadderTable
-
-    raw = load_ladder_table().model_dump()
-    raw["rungs"] = [raw["rungs"][1], raw["rungs"][0], raw["rungs"][2]]
-    with pytest.raises(ValidationError, match="in this order"):
-        OomLadderTable.model_validate(raw)
-
-
-def test_rungs_tried_from_config_history():
-    history = [
-        {"method": "sft-lora", "per_device_train_batch_size": 8, "max_length": 2048},
-        {"method": "sft-lora", "per_device_train_batch_size": 8, "max_length": 2048, "oom_rung": "flush"},
-        {"method": "sft-lora", "per_device_train_batch_size": 4, "max_length": 2048},
-    ]
-    assert rungs_tried(history) == ["flush", "reduce-batch-or-seq"]
-    assert oom_next_rung(rungs_tried(history)).id == "downgrade-method"
-    assert rungs_tried(history + [{"method": "sft-qlora", "per_device_train_batch_size": 4}]) == RUNGS
-
-
 # --- tables and the command line ---------------------------------------------------------------------
 
 
@@ -364,4 +289,4 @@ def test_cli_triage_json():
 
 
 def test_numbers_parse_like_the_logs_write_them():
-    assert math.isnan(triage._num("NaN")) and triage._num("'-inf'") == -math.inf and triage._num("7.1227e-01") == 0.71227
+    assert math.isnan(to_number("NaN")) and to_number("'-inf'") == -math.inf and to_number("7.1227e-01") == 0.71227

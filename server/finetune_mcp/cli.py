@@ -61,7 +61,7 @@ def cmd_serve(args) -> int:
 
 def cmd_triage(args) -> int:
     from finetune_mcp.errors import FtError
-    from finetune_mcp.phases.triage import triage_log_file
+    from finetune_mcp.triage import triage_log_file
 
     try:
         result = triage_log_file(Path(args.log))
@@ -91,6 +91,83 @@ def cmd_build_tiny(args) -> int:
     target = Path(args.target) if args.target else ws.base_models_dir / "finetune-mcp-tiny"
     res = run_job("build_tiny_model", {"target_dir": str(target), "seed": args.seed})
     print(json.dumps(res, indent=2))
+    return 0
+
+
+def _stderr_progress(done: float, total: float | None = None, message: str | None = None) -> None:
+    frac = f"{done / total:5.0%}" if total else f"{done:g}"
+    print(f"  [{frac}] {message or ''}", file=sys.stderr, flush=True)
+
+
+def _run_model_job(job: str, params: dict, timeout: float) -> dict | None:
+    from finetune_mcp.errors import FtError
+    from finetune_mcp.worker import run_job
+
+    try:
+        return run_job(job, params, progress=_stderr_progress, timeout=timeout)
+    except FtError as e:
+        print(f"finetune-mcp: {e}", file=sys.stderr)
+        return None
+
+
+def cmd_models_add_gguf(args) -> int:
+    """A local GGUF -> $DGX_SPARK_ROOT/base-models/NAME (dequantized safetensors, tokenizer, template, PROVENANCE)."""
+    import time
+
+    from finetune_mcp.workspace import Workspace
+
+    ws = Workspace.from_env()
+    params = {"gguf": str(Path(args.file).expanduser().resolve()), "base_models_dir": str(ws.base_models_dir),
+              "name": args.name, "dtype": args.dtype, "force": args.force}
+    t0 = time.monotonic()
+    res = _run_model_job("convert_gguf", params, timeout=3600)
+    if res is None:
+        return 2
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        meta = res["metadata"]
+        print(f"{res['name']}: {res['parameters']:,} parameters ({res['model_type']}, {res['dtype']}) from {meta['architecture']} "
+              f"GGUF [{', '.join(f'{k}x{v}' for k, v in sorted(meta['tensor_types'].items()))}] in {res['seconds']} s\n"
+              f"  -> {res['target_dir']}\n  use it with '## Base Model' = {res['name']}")
+    return 0
+
+
+def cmd_models_pull(args) -> int:
+    """Download a hub model into the standard HF cache (resumable); the job runs in the training Python."""
+    res = _run_model_job("pull_model", {"hf_id": args.hf_id, "revision": args.revision}, timeout=24 * 3600)
+    if res is None:
+        return 2
+    print(json.dumps(res, indent=2) if args.json else f"{res['hf_id']}: {len(res['files'])} files in {res['path']}")
+    return 0
+
+
+def cmd_models_list(args) -> int:
+    from finetune_mcp.models import list_local_models
+    from finetune_mcp.workspace import Workspace
+
+    ws = Workspace.from_env()
+    found = list_local_models(ws.base_models_dir, data_dirs=_data_dirs(args))
+    rows = []
+    if found:
+        res = _run_model_job("inspect_models", {"models": found}, timeout=1800)
+        if res is None:
+            return 2
+        rows = res["models"]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no models: base-models/ ({ws.base_models_dir}) and the HF cache are empty. "
+              "`finetune-mcp models add-gguf FILE` or `finetune-mcp models pull ORG/NAME` adds one.")
+        return 0
+    print("| name | where | parameters | dtype | template | masking prepare_dataset would use |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        n = r.get("parameters")
+        print(f"| {r['name']} | {r['where']} | {f'{n / 1e6:.1f}M' if n else '?'} | {r.get('dtype') or '?'} | "
+              f"{r.get('template_family') or 'none'} | {r.get('masking') or r.get('masking_note') or r.get('error')} |")
     return 0
 
 
@@ -129,6 +206,26 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--target")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build_tiny)
+
+    m = sub.add_parser("models", help="base models: convert a local GGUF, pull from the hub, list what is usable")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    ma = msub.add_parser("add-gguf", help="turn a local GGUF into a trainable transformers folder under base-models/")
+    ma.add_argument("file", help="the .gguf file")
+    ma.add_argument("--name", help="folder name under base-models/ (default: from the GGUF's metadata)")
+    ma.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="dtype of the written weights (default float32: the dequantized values exactly)")
+    ma.add_argument("--force", action="store_true", help="replace an existing folder of that name")
+    ma.add_argument("--json", action="store_true")
+    ma.set_defaults(fn=cmd_models_add_gguf)
+    mp = msub.add_parser("pull", help="download a hub model into the HF cache (resumable, with progress)")
+    mp.add_argument("hf_id")
+    mp.add_argument("--revision")
+    mp.add_argument("--json", action="store_true")
+    mp.set_defaults(fn=cmd_models_pull)
+    ml = msub.add_parser("list", help="models a brief can name: parameters, dtype, template family, masking")
+    ml.add_argument("--data-dir", action="append", help="also list model folders in this folder (repeatable)")
+    ml.add_argument("--json", action="store_true")
+    ml.set_defaults(fn=cmd_models_list)
 
     r = sub.add_parser("tool-reference", help="print the markdown tool reference the README embeds")
     r.set_defaults(fn=cmd_toolref)

@@ -1,7 +1,8 @@
-"""Resolves a brief's base model name: the embedded model, a folder under base-models/, or an HF id in the local cache.
+"""Resolves a brief's base model name: the embedded model, a folder under base-models/, a path in a data dir, or an HF id in the local cache.
 
-Stdlib only. Nothing here downloads: hub models must already be in the HF cache, and the cache
-is read by its directory layout so that the server never imports huggingface_hub.
+Stdlib only. Nothing here downloads: `finetune-mcp models pull` (a job in the training Python) puts hub
+models into the standard HF cache, and `models add-gguf` turns a local GGUF into a base-models/ folder.
+The cache is read by its directory layout so that the server never imports huggingface_hub.
 """
 
 from __future__ import annotations
@@ -89,19 +90,23 @@ def embedded_is_built(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / BUILD_STAMP).is_file()
 
 
-def resolve_base_model(name: str, base_models_dir: Path, hf_home: Path | None = None) -> ModelRef:
+def resolve_base_model(name: str, base_models_dir: Path, hf_home: Path | None = None, data_dirs: list[Path] | None = None) -> ModelRef:
     """Resolve the brief's "## Base Model" value.
 
     Order: an embedded model (exists=False until its job has built it), a folder under
-    base_models_dir, then an HF id looked up in the local cache only. Raises NotFound when an
-    HF id is not cached, BadInput when the name cannot be a model name at all.
+    base_models_dir, an absolute path inside one of data_dirs (the server's --data-dir folders), then
+    an HF id looked up in the local cache only. Raises NotFound when a model is in none of those
+    places (the error names `finetune-mcp models pull` and whether HF_HUB_OFFLINE is set), BadInput
+    when the name cannot be a model name at all or a path lies outside the data dirs.
     """
     raw = name
     name = (name or "").strip().strip("`").strip()
     if not name:
         raise BadInput("the base model name is empty", where="brief ## Base Model",
-                       fix="write 'finetune-mcp-tiny' or an HF id such as 'Qwen/Qwen2.5-0.5B-Instruct'")
+                       fix="write 'finetune-mcp-tiny', a folder name under base-models/, or an HF id such as 'Qwen/Qwen2.5-0.5B-Instruct'")
     base_models_dir = Path(base_models_dir).expanduser()
+    if name.startswith(("/", "~")):
+        return _resolve_path(name, base_models_dir, data_dirs or [])
 
     embedded = EMBEDDED_MODELS.get(name.lower())
     if embedded is not None:
@@ -125,13 +130,57 @@ def resolve_base_model(name: str, base_models_dir: Path, hf_home: Path | None = 
         return ModelRef(name=name, path=snapshot, hf_id=name, embedded=False, exists=True)
 
     cache = hf_hub_cache(hf_home)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     raise NotFound(
         f"base model {name!r} is not in the local HF cache ({cache}) nor under {base_models_dir}; "
-        "this server never downloads models",
+        "the server never downloads during a tool call",
         where="brief ## Base Model",
         fix=(
-            f"on a machine with hub access run `huggingface-cli download {name}` into the same HF_HOME "
-            f"and copy the cache here, or set HF_HOME to a cache that already holds it; "
-            f"or use the embedded model 'finetune-mcp-tiny'"
+            f"run `finetune-mcp models pull {name}` (downloads into {cache}, resumable)"
+            + (" after unsetting HF_HUB_OFFLINE, which is set here" if offline else "; HF_HUB_OFFLINE is not set")
+            + f"; or `finetune-mcp models add-gguf FILE.gguf --name {name.rsplit('/', 1)[-1]}` for a local GGUF; "
+            "`finetune-mcp models list` shows what is usable"
         ),
     )
+
+
+def _resolve_path(name: str, base_models_dir: Path, data_dirs: list[Path]) -> ModelRef:
+    """An absolute path: a model folder (config.json) that must lie inside base-models/ or a data dir."""
+    p = Path(name).expanduser()
+    try:
+        real = p.resolve(strict=False)
+    except OSError:
+        real = p
+    roots = [Path(d).expanduser().resolve() for d in [base_models_dir, *data_dirs]]
+    if not any(real == r or real.is_relative_to(r) for r in roots):
+        raise BadInput(f"base model path {name!r} is outside base-models/ and the server's data dirs",
+                       where="brief ## Base Model",
+                       fix="start the server with --data-dir on the folder that holds the model (or FINETUNE_MCP_DATA_DIRS), "
+                           "or put the model under base-models/")
+    if not (real / "config.json").is_file():
+        raise NotFound(f"no model folder at {name!r} (no config.json)", where="brief ## Base Model",
+                       fix="name a folder written by save_pretrained (config.json, *.safetensors, tokenizer files)")
+    return ModelRef(name=real.name, path=real, hf_id=None, embedded=False, exists=True)
+
+
+def list_local_models(base_models_dir: Path, hf_home: Path | None = None, data_dirs: list[Path] | None = None) -> list[dict]:
+    """Every usable model folder: base-models/*, HF cache snapshots, and model folders at the top of data dirs."""
+    out = []
+    base_models_dir = Path(base_models_dir).expanduser()
+    if base_models_dir.is_dir():
+        for d in sorted(base_models_dir.iterdir()):
+            if not d.name.startswith(".") and (d / "config.json").is_file():
+                out.append({"name": d.name, "where": "base-models", "path": str(d)})
+    hub = hf_hub_cache(hf_home)
+    if hub.is_dir():
+        for repo in sorted(hub.glob("models--*")):
+            hf_id = repo.name[len("models--"):].replace("--", "/", 1)
+            snap = find_in_hf_cache(hf_id, hf_home)
+            if snap is not None:
+                out.append({"name": hf_id, "where": "hf-cache", "path": str(snap)})
+    for dd in data_dirs or []:
+        dd = Path(dd).expanduser()
+        for d in sorted([dd, *dd.iterdir()] if dd.is_dir() else []):
+            if d.is_dir() and (d / "config.json").is_file():
+                out.append({"name": str(d), "where": "data-dir", "path": str(d)})
+    return out

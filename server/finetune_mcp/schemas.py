@@ -77,6 +77,8 @@ class PrepareDatasetResult(Result):
     counts: dict[str, int] = Field(default_factory=dict)
     problems: list[Problem] = Field(default_factory=list, description="listed one by one, up to the skill's listed_per_code per code and severity")
     problem_counts: dict[str, dict[str, int]] = Field(default_factory=dict, description="code -> {error, warning} counts, listed or not")
+    masking: dict[str, Any] | None = Field(default=None, description="conversations: how the assistant's tokens are found (method, end-of-turn, "
+                                           "every way tried and why it failed, row kinds verified, the template's default system prompt)")
     packing: dict[str, Any] | None = None
     decoded_samples: list[str] = Field(default_factory=list)
     files: list[str] = Field(default_factory=list)
@@ -180,9 +182,12 @@ class GenerateConfigResult(Result):
     commit: str
     warnings: list[str] = Field(default_factory=list, description="values outside settled ranges, budget misses, forced backends")
     memory_estimate: dict[str, Any] = Field(default_factory=dict, description="the estimate for the resolved values against the brief's budget")
+    masking: str | None = Field(default=None, description="conversations: the assistant-only masking way train.py uses (config data.masking)")
 
     def text(self) -> str:
         lines = [self.summary, f"backend: {self.backend} — {self.backend_reason}"]
+        if self.masking:
+            lines.append(f"assistant-only masking: {self.masking}")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         lines.append("resolved (value — source):")
@@ -396,6 +401,24 @@ class CauseCheck(BaseModel):
     why: str
 
 
+class RunnerUp(BaseModel):
+    failure_class: Literal["environment", "divergence", "oom", "none"]
+    confidence: float = Field(ge=0, le=1)
+    why: str
+
+
+class MetricsSeen(BaseModel):
+    """What the log's numbers were, as parsed from any format (HF dicts, key=value, tables, JSON, Megatron)."""
+
+    records: int = 0
+    losses: int = 0
+    loss_first: float | None = None
+    loss_min: float | None = None
+    loss_last: float | None = None
+    grad_norm_max: float | None = None
+    loss_scale_last: float | None = None
+
+
 class TriageResult(Result):
     failure_class: Literal["environment", "divergence", "oom", "none"]
     none_reason: Literal["healthy", "unrecognised", "stopped"] | None = None
@@ -406,6 +429,11 @@ class TriageResult(Result):
     tried_rungs: list[str] = Field(default_factory=list)
     next_step: str
     halt_run: bool = False
+    confidence: float | None = Field(None, ge=0, le=1, description="how far the deciding evidence stands above the rest (a ranking, not a calibrated probability)")
+    runner_up: RunnerUp | None = Field(None, description="the next most likely class, when any other class has evidence")
+    signals: list[str] = Field(default_factory=list, description="the signal ids that matched, the deciding one first")
+    missing_evidence: list[str] = Field(default_factory=list, description="what would settle the verdict, where the log lacks it")
+    metrics: MetricsSeen | None = None
 
 
 # --- gate and export ---------------------------------------------------------------------

@@ -255,19 +255,25 @@ class SignalCheck(Strict):
     spark: OpsCheckId | None = Field(None, description="check to re-run on dgx-spark (a G-number)")
 
 
+RecordsRule = Literal["nonfinite-loss", "nonfinite-grad-norm", "loss-zero-grad-nan", "loss-spike", "loss-rise",
+                      "grad-norm-explosion", "loss-scale-collapse", "flat-loss"]
+FailureClass = Literal["environment", "divergence", "oom", "none"]
+
+
 class FailureSignal(Strict):
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
-    failure_class: Literal["environment", "divergence", "oom", "none"] = Field(alias="class")
+    failure_class: FailureClass = Field(alias="class")
     priority: int = Field(ge=0, le=100, description="the highest-priority matching signal decides the class")
     patterns: list[str] = Field(default_factory=list, description="regexes searched in each log line")
     ignore_case: bool = False
     exit_codes: list[int] = Field(default_factory=list, description="exit statuses that show this signal")
     exit_signals: list[int] = Field(default_factory=list, description="terminating signals that show this signal")
-    records_rule: Literal["nonfinite-loss", "nonfinite-grad-norm", "loss-spike", "grad-norm-explosion", "flat-loss"] | None = None
+    records_rule: RecordsRule | None = None
     explained_by_stop: bool = Field(False, description="a stop we asked for explains it (a SIGKILL from stop_run)")
     stop_request: bool = Field(False, description="present whenever stop_run asked the run to end")
     check: SignalCheck | None = None
     none_kind: Literal["healthy", "stopped"] | None = None
+    confirm: str | None = Field(None, description="the evidence that would settle it when this signal decides alone")
     note: str
     source: list[str] = Field(min_length=1)
 
@@ -285,29 +291,66 @@ class FailureSignal(Strict):
         return self
 
 
+class MetricKeys(Strict):
+    """Which logged keys (normalised: lower case, separators as spaces) carry which metric."""
+
+    loss: list[str] = Field(min_length=1, description="keys of the training loss")
+    eval_loss: list[str] = Field(min_length=1, description="keys of a validation loss (checked for NaN only)")
+    grad_norm: list[str] = Field(min_length=1)
+    lr: list[str] = Field(min_length=1)
+    step: list[str] = Field(min_length=1)
+    loss_scale: list[str] = Field(min_length=1)
+
+    @_model_validator(mode="after")
+    def _disjoint(self):
+        seen: dict[str, str] = {}
+        for field in ("loss", "eval_loss", "grad_norm", "lr", "step", "loss_scale"):
+            for k in getattr(self, field):
+                if k != k.strip().lower() or "_" in k or "/" in k:
+                    raise ValueError(f"metric key {k!r} must be written normalised (lower case, spaces for _ / - .)")
+                if k in seen:
+                    raise ValueError(f"metric key {k!r} is listed under both {seen[k]} and {field}")
+                seen[k] = field
+        return self
+
+
 class RecordRules(Strict):
-    loss_patterns: list[str] = Field(min_length=1, description="regexes whose group 1 is a logged training loss")
-    grad_norm_patterns: list[str] = Field(min_length=1)
-    spike_factor: float = Field(gt=1)
+    spike_factor: float = Field(gt=1, description="a loss above this x the rolling median is a spike")
     spike_min_history: int = Field(ge=1)
     spike_window: int = Field(ge=1)
+    rise_factor: float = Field(gt=1, description="the last loss at this x the minimum before it is a divergence")
+    rise_min_history: int = Field(ge=1, description="losses needed before the minimum counts")
+    rise_back_to: float = Field(gt=0, description="and the last loss is at least this fraction of the first: it climbed back, not a converged run's noise")
     flat_identical_run: int = Field(ge=2)
     flat_repeat_window: int = Field(ge=2)
+    zero_loss_run: int = Field(ge=2, description="this many logged losses of exactly 0 in a row: nothing is trained")
     grad_norm_max: float = Field(gt=0)
+    loss_scale_floor: float = Field(gt=0, description="a dynamic loss scale cut to this or below has collapsed")
 
-    @_field_validator("loss_patterns", "grad_norm_patterns")
+
+class FallbackRule(Strict):
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    failure_class: Literal["environment", "divergence", "oom"] = Field(alias="class")
+    match: str = Field(description="regex on the exception line (the last 'Name: message' line)")
+    why: str
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @_field_validator("match")
     @classmethod
     def _valid(cls, v):
-        return _compiles(v)
+        return _compiles([v])[0]
 
 
 @table("dgx-spark-ops", "failure-signals")
 class FailureSignalsTable(Strict):
     signals: list[FailureSignal] = Field(min_length=1)
     records: RecordRules
-    unrecognised_markers: list[str]
+    metric_keys: MetricKeys
+    failure_markers: list[str] = Field(min_length=1, description="lines that show the run failed, whatever the cause")
+    fallback: list[FallbackRule] = Field(min_length=1, description="the class of a failure no signal names, by exception type")
+    fallback_priority: int = Field(ge=0, le=100, description="the weight a fallback class carries against other signals")
 
-    @_field_validator("unrecognised_markers")
+    @_field_validator("failure_markers")
     @classmethod
     def _valid(cls, v):
         return _compiles(v)

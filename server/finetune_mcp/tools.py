@@ -38,7 +38,7 @@ DELETES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempoten
 @dataclass(frozen=True)
 class Tool:
     name: str
-    phase: str  # finetune_mcp.phases.<phase> defines `def <name>(pc, **args)`
+    phase: str  # finetune_mcp.phases.<phase> (or this dotted module) defines `def <name>(pc, **args)`
     args: type[S.Args]
     result: type[S.Result]
     roles: tuple[str, ...]
@@ -47,7 +47,7 @@ class Tool:
 
     @property
     def module(self) -> str:
-        return f"finetune_mcp.phases.{self.phase}"
+        return self.phase if "." in self.phase else f"finetune_mcp.phases.{self.phase}"
 
     @property
     def description(self) -> str:
@@ -76,7 +76,7 @@ TOOLS: tuple[Tool, ...] = (
     Tool("stop_run", "run", S.StopRunArgs, S.StopResult, TRAINING, DELETES, "Stop a run cleanly"),
     Tool("compare_runs", "compare", S.CompareRunsArgs, S.CompareResult, BOTH, READ_ONLY, "Compare an experiment's runs"),
     Tool("prune_checkpoints", "run", S.PruneCheckpointsArgs, S.PruneResult, TRAINING, DELETES, "Delete a succeeded run's checkpoints"),
-    Tool("triage_failure", "triage", S.TriageFailureArgs, S.TriageResult, TRAINING, READ_ONLY, "Classify a failed run or log"),
+    Tool("triage_failure", "finetune_mcp.triage.tool", S.TriageFailureArgs, S.TriageResult, TRAINING, READ_ONLY, "Classify a failed run or log"),
     Tool("export", "export", S.ExportArgs, S.ExportResult, TRAINING, WRITES, "Phase 6: export a promoted run"),
     Tool("evaluate_checkpoint", "gate", S.EvaluateCheckpointArgs, S.EvalResult, EVAL, WRITES, "Phase 5: evaluate a run"),
     Tool("record_verdict", "gate", S.RecordVerdictArgs, S.VerdictResult, EVAL, WRITES_ANEW, "Phase 5: sign PROMOTE or REJECT"),

@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.jobs import _proto, _records as R
+from finetune_mcp.jobs import _proto, _records as R, masking as M
 from finetune_mcp.jobs._proto import JobError
 
 STAGES = 7
@@ -140,6 +140,8 @@ def _template_one(rec):
         return ("ok", _TP.sequences(rec))
     except JobError as e:
         return ("job-error", e)
+    except RecordMaskError as e:
+        return ("mask-error", str(e))
     except Exception as e:
         return ("error", f"{type(e).__name__}: {str(e)[:200]}")
 
@@ -157,10 +159,14 @@ def _template_all(tp: "Templater", records: list):
         yield from pool.imap(_template_one, records, chunksize=256)
 
 
-class Templater:
-    """Templating and masking as the TRL trainers do it, with the template training will use."""
+class RecordMaskError(Exception):
+    """One conversation on which the chosen masking does not give exactly the assistant's replies."""
 
-    def __init__(self, model_path: str, fmt: str, method: str):
+
+class Templater:
+    """Templating and masking as the trainers will do it, with the template and masking training will use."""
+
+    def __init__(self, model_path: str, fmt: str, method: str, system_prompt: str | None = None):
         from transformers import AutoTokenizer
         from trl.chat_template_utils import get_training_chat_template, has_generation_markers, is_chat_template_stop_token_trained
         from trl.data_utils import _tokenize, common_prefix_length
@@ -185,20 +191,38 @@ class Templater:
         except Exception as e:
             raise JobError(f"cannot load the base model's tokenizer: {type(e).__name__}: {e}", kind="JobFailed", where=model_path) from None
         self.fmt, self.method = fmt, method
-        tpl = self.tok.chat_template
-        if isinstance(tpl, dict):
-            tpl = tpl.get("default")
+        self.system_prompt = system_prompt
+        tpl = M.template_text(self.tok)
         self.base_template = tpl
         self.template_source = "tokenizer"
         self.chat_template = None  # None: the tokenizer's own, as the trainer passes it
         self.assistant_only = fmt in ("messages", "vision")
         self.generation_markers = bool(tpl) and has_generation_markers(tpl)
         self.stop_token_trained: bool | None = None
+        self.masking: dict | None = None  # the masking choice for conversations (jobs/masking.py)
         if fmt in ("messages", "vision") and not tpl:
             raise JobError("the base model's tokenizer has no chat template, so conversations cannot be templated", kind="BadInput",
                            where=f"{model_path}/tokenizer_config.json", fix="use a model with a chat template, or prompt/completion text rows")
-        if self.assistant_only:
-            # SFTTrainer swaps in TRL's training template when the model's lacks {% generation %}; do the same.
+        if fmt == "messages":
+            # Assistant-only loss on any template: the first masking way that verifies (jobs/masking.py).
+            try:
+                trl_tpl = get_training_chat_template(self.tok)
+            except Exception:
+                trl_tpl = None
+            choice = M.choose(self.tok, trl_tpl)
+            if choice["plan"] is None:
+                raise JobError(
+                    f"no way to mask the assistant's tokens verifies on this chat template (sha256 {M.template_sha256(tpl)[:12]}): "
+                    + "; ".join(f"{a['method']}: {a['why']}" for a in choice["attempts"]),
+                    kind="Refused", where=f"{model_path}: chat_template",
+                    fix="give the data as prompt/completion (loss on the completion needs no template markers), "
+                        "or use a chat template that writes an end-of-turn token after each assistant reply",
+                )
+            self.masking = choice
+            self.chat_template = choice["template"] if choice["template"] != tpl else None
+            self.template_source = choice["plan"]["method"]
+            self.stop_token_trained = True  # check() asserts it on every record
+        elif self.assistant_only:
             try:
                 patched = get_training_chat_template(self.tok)
             except Exception:
@@ -206,13 +230,6 @@ class Templater:
             if patched is not None:
                 self.chat_template = patched
                 self.template_source = "trl-training-template"
-            elif not self.generation_markers:
-                raise JobError(
-                    "the base model's chat template has no {% generation %} markers and TRL has no training template for it, "
-                    "so the assistant tokens cannot be masked",
-                    kind="BadInput", where=f"{model_path}: chat_template",
-                    fix="give the data as prompt/completion (loss on the completion needs no markers), or add {% generation %} markers to the template",
-                )
             try:
                 self.stop_token_trained = bool(is_chat_template_stop_token_trained(self.tok, chat_template=self.chat_template))
             except Exception:
@@ -220,6 +237,12 @@ class Templater:
         used = self.chat_template or tpl or ""
         self.template_sha256 = hashlib.sha256(used.encode()).hexdigest() if used else None
         self.eos = self.tok.eos_token or ""
+
+    def with_system(self, messages: list) -> list:
+        """The brief's system prompt for conversations that have none ("" renders an empty system turn)."""
+        if self.system_prompt is None or (messages and messages[0].get("role") == "system"):
+            return messages
+        return [{"role": "system", "content": self.system_prompt}] + list(messages)
 
     def _kw(self, rec: dict) -> dict:
         tools = rec.get("tools")
@@ -233,9 +256,15 @@ class Templater:
             text = self.processor.apply_chat_template(rec["messages"], tokenize=False)
             ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
             return ids, list(ids)
-        out = self._tokenize(self.tok, rec["messages"], return_assistant_tokens_mask=True, **self._kw(rec))
-        ids = list(out["input_ids"])
-        mask = out.get("assistant_masks") or [0] * len(ids)
+        messages = self.with_system(rec["messages"])
+        kw = self._kw(rec)
+        tpl = self.masking["template"]
+        plan = self.masking["plan"]
+        try:
+            ids, mask = M.encode(self.tok, plan, tpl, messages, kw.get("tools"), rec.get("chat_template_kwargs"))
+            M.check(self.tok, plan, messages, ids, mask)
+        except M.MaskError as e:
+            raise RecordMaskError(f"{plan['method']} masking: {e}") from None
         return ids, [t if m else -100 for t, m in zip(ids, mask)]
 
     def prompt_completion(self, prompt: Any, completion: Any, rec: dict) -> tuple[list[int], list[int], int]:
@@ -571,7 +600,7 @@ def prepare(P: dict) -> dict:
 
     # Template each example on its own, then measure, then pack.
     _progress(3, f"applying the chat template to {len(records)} records")
-    tp = Templater(P["model_path"], fmt, method)
+    tp = Templater(P["model_path"], fmt, method, P.get("system_prompt"))
     seqs: list[list[tuple[str, list[int], list[int]]]] = []
     tick = max(1, len(records) // 10)
     for i, (kind, out) in enumerate(_template_all(tp, records)):
@@ -580,11 +609,14 @@ def prepare(P: dict) -> dict:
         if kind == "error":  # a template that raises on this record (e.g. its own role checks)
             sink.error("chat-template", f"the chat template failed on this record: {out}", **_where(origins, i))
             seqs.append([])
+        elif kind == "mask-error":  # the trained tokens would not be exactly this record's replies
+            sink.error("masking", out, **_where(origins, i), field="messages")
+            seqs.append([])
         else:
             seqs.append(out)
         if i % tick == tick - 1:
             _progress(3 + (i + 1) / len(records), f"templated {i + 1}/{len(records)}")
-    template_errors = sink.counts_of("chat-template")
+    template_errors = sink.counts_of("chat-template") + sink.counts_of("masking")
 
     lengths, trained_counts, over, cut = [], [], 0, 0
     over_by: list[int] = []
@@ -637,6 +669,11 @@ def prepare(P: dict) -> dict:
         "stop_token_trained": tp.stop_token_trained, "assistant_only_loss": tp.assistant_only,
         "eos_token": tp.eos,
     }
+    if tp.masking is not None:
+        template["masking"] = {"method": tp.masking["plan"]["method"], "plan": tp.masking["plan"],
+                               "attempts": tp.masking["attempts"], "rows": tp.masking["rows"],
+                               "default_system_prompt": tp.masking["default_system"],
+                               "system_prompt": tp.system_prompt, "summary": M.describe(tp.masking)}
     result = {**base, "tokens": token_stats, "template": template,
               "collapse": {"values": {k: v for k, v in cvals.items() if not k.startswith("_")},
                            "top_opening": cvals["_top_opening"], "sample_words": cvals["_sample_words"],
@@ -665,6 +702,10 @@ def prepare(P: dict) -> dict:
     digests = {}
     for name, idx in (("train.jsonl", train_idx), ("eval.jsonl", eval_idx)):
         digests[name] = _write_jsonl(out / name, [records[i] for i in idx], origins, idx)
+    if tp.masking is not None:
+        # train.py renders and masks with exactly this template (and jobs/masking.py copied into it).
+        (out / "chat_template.jinja").write_text(tp.masking["template"], encoding="utf-8")
+        template["file"] = "chat_template.jinja"
     trainer = _trainer_settings(fmt, method, seq_len, packing, checked.reference_field)
     meta = {
         "name": P.get("name"),

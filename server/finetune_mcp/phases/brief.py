@@ -4,7 +4,7 @@ Stdlib only and free of side effects, so every phase can import it. The brief fo
 
     # Training brief: <title>
     ## Task                 "<slug> — prose"                      (required)
-    ## Base Model           embedded name, base-models/ folder or HF id (required)
+    ## Base Model           embedded name, base-models/ folder, HF id in the cache, or a model folder's path in a data dir (required)
     ## Chosen Method        one of METHODS, aliases tolerated     (required)
     ## Dataset Expectation  prose + "key: value" lines: format, max_seq_length, packing, examples (required)
     ## Memory Budget        "4 GB", "96 GiB", "0.5 TB"              (required)
@@ -186,6 +186,16 @@ class Brief:
     @property
     def examples(self) -> int | None:
         return self.dataset_expectation.get("examples")
+
+    @property
+    def system_prompt(self) -> str | None:
+        """`system_prompt:` in Dataset Expectation: text for conversations without a system turn; `none` gives an
+        empty one (a template that injects its own default then has nothing to inject); absent: the data as is."""
+        v = self.dataset_expectation.get("system_prompt")
+        if v is None:
+            return None
+        v = str(v).strip().strip('"').strip("'")
+        return "" if v.lower() in ("none", "empty", "no", "false") else v
 
     def where(self, section: str) -> str:
         """'<path>: ## <Section>' for error messages."""
@@ -409,9 +419,10 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
     if sections.get("base_model", "").strip():
         base_model = _first_line(sections["base_model"]).split()[0] if _first_line(sections["base_model"]) else ""
         base_model = base_model.strip(",;:")
-        if not base_model or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]*", base_model) or ".." in base_model:
+        if not base_model or not re.fullmatch(r"(~?/)?[A-Za-z0-9][A-Za-z0-9._/-]*", base_model) or ".." in base_model:
             problem("base_model", f"{base_model!r} is not a model name",
-                    "'finetune-mcp-tiny', a folder name under base-models/, or an HF id such as Qwen/Qwen3-4B")
+                    "'finetune-mcp-tiny', a folder name under base-models/, an HF id such as Qwen/Qwen3-4B, "
+                    "or the absolute path of a model folder inside a --data-dir")
 
     # Chosen method
     method = None

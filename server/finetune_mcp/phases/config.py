@@ -456,7 +456,17 @@ def render_train_py(method: str, backend: str, experiment: str, recipe) -> str:
     for part in parts:
         raw = (TEMPLATES / "train" / part).read_text(encoding="utf-8")
         text += _substitute(_preprocess(raw, env, part), subs, part)
+        if part == "common.py" and family == "sft":
+            text += masking_source()
     return text
+
+
+def masking_source() -> str:
+    """jobs/masking.py as a train.py section: the trainer masks with the code prepare_dataset checked with."""
+    src = (Path(__file__).resolve().parent.parent / "jobs" / "masking.py").read_text(encoding="utf-8")
+    src = src.replace("from __future__ import annotations\n", "")
+    return ("\n\n# --- assistant-only masking: a verbatim copy of finetune_mcp/jobs/masking.py "
+            + "-" * 20 + "\n\n" + src)
 
 
 def render_train_sh(method: str, backend: str, experiment: str, tag: str, label: str) -> str:
@@ -509,7 +519,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         )
     dataset_dir, meta = find_dataset(pc, experiment)
     try:
-        model_info = memory.load_model_info(ws.base_models_dir, brief.base_model)
+        model_info = memory.load_model_info(ws.base_models_dir, brief.base_model, data_dirs=pc.guard.read_roots)
     except NotFound as e:
         raise NotFound(str(e.message), where=e.where, fix=e.fix or "run prepare_dataset first; it builds or finds the base model") from None
     model_ref_path = Path(model_info["source"]).parent if model_info.get("source", "").endswith("config.json") else None
@@ -546,7 +556,9 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
             vals.set(k, rule.set[k], f"{rule.kind} rule {rule.id} ({rule.cite})")
         if touched:
             applied_rules.append(rule)
-    if ctx["generation_template"] is False and "assistant_only_loss" in params and meta.get("format", brief.dataset_format) == "messages":
+    masked = ((meta.get("chat_template") or {}).get("masking") if isinstance(meta.get("chat_template"), dict) else None)
+    if (ctx["generation_template"] is False and not masked and "assistant_only_loss" in params
+            and meta.get("format", brief.dataset_format) == "messages"):
         warnings.append("the model's chat template has no {% generation %} markers: the loss covers prompt tokens too")
     # 4. memory budget
     budget_notes: list[str] = []
@@ -584,6 +596,11 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         "format": meta.get("format") or brief.dataset_format,
         "reference_field": meta.get("reference_field") if method == "grpo" else None,
     }
+    mk = (meta.get("chat_template") or {}).get("masking") if isinstance(meta.get("chat_template"), dict) else None
+    if mk and data["format"] == "messages":
+        # How prepare_dataset made assistant-only loss work on this template; train.py masks the same way.
+        data["masking"] = {"method": mk["method"], "plan": mk["plan"], "template_file": meta["chat_template"].get("file", "chat_template.jinja"),
+                           "system_prompt": mk.get("system_prompt")}
     if method == "grpo" and not data["reference_field"]:
         data["reference_field"] = "answer"
 
@@ -674,6 +691,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         commit=commit_id,
         warnings=warnings,
         memory_estimate=mem or {},
+        masking=(data.get("masking") or {}).get("method"),
     )
 
 

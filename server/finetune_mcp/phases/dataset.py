@@ -135,7 +135,7 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
 
     from finetune_mcp.models import resolve_base_model
 
-    model = resolve_base_model(brief.base_model, pc.ws.base_models_dir)
+    model = resolve_base_model(brief.base_model, pc.ws.base_models_dir, data_dirs=pc.guard.read_roots)
 
     # Light pass: plain-text sources are read and checked here, so bad records never cost a child start.
     light = None
@@ -270,6 +270,7 @@ def _job_params(brief: Brief, src: dict, model, name: str, tables: dict, eval_fr
         "method": brief.method,
         "max_seq_length": brief.max_seq_length,
         "packing": brief.packing,
+        "system_prompt": brief.system_prompt,
         "eval_fraction": float(eval_fraction),
         "seed": 0,
         "tables": {k: tables[k] for k in ("formats", "validation", "collapse")},
@@ -358,6 +359,7 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
         counts=counts,
         problems=problems,
         problem_counts=job.get("problem_counts") or {},
+        masking=(job.get("template") or {}).get("masking"),
         packing=job.get("packing"),
         decoded_samples=job.get("decoded_samples") or [],
         files=[str(p) for p in written] + ([str(final_dir / f) for f in ("train.jsonl", "eval.jsonl", "meta.json")] if ok else []),
@@ -366,6 +368,28 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
     )
     pc.progress(_TOTAL, _TOTAL, "done")
     return res
+
+
+def _masking_lines(mk: dict | None) -> list[str]:
+    """The card's account of how assistant-only loss was made to work on this template (jobs/masking.py)."""
+    if not mk:
+        return []
+    L = ["## Assistant-only masking", "",
+         f"- Method: **{mk['method']}** — {mk['summary']}. Every record was checked: its trained tokens decode to exactly "
+         "its assistant replies (and their tool calls) plus the end-of-turn token.",
+         "- Ways tried, in order: " + "; ".join(f"{a['method']} {'verified' if a['ok'] else 'failed (' + str(a['why']) + ')'}"
+                                               for a in mk.get("attempts") or []),
+         "- Row kinds on the probe: " + ", ".join(f"{k}: {v}" for k, v in (mk.get("rows") or {}).items())]
+    if mk.get("default_system_prompt"):
+        L.append(f"- The template writes its own system prompt when a conversation has none: {mk['default_system_prompt']!r}. "
+                 + ("The brief's `system_prompt:` replaces it in every conversation without one." if mk.get("system_prompt")
+                    else "The brief's `system_prompt: none` gives such conversations an empty system turn instead."
+                    if mk.get("system_prompt") == "" else
+                    "Conversations without a system turn are trained with it; set `system_prompt:` in the brief's Dataset "
+                    "Expectation to use your own, or `system_prompt: none`."))
+    elif mk.get("system_prompt") is not None:
+        L.append(f"- System prompt from the brief for conversations without one: {mk['system_prompt']!r}.")
+    return L + [""]
 
 
 def _where(p) -> str:
@@ -493,6 +517,7 @@ def _report(brief: Brief, name: str, final_dir: Path, src: dict, job: dict, tabl
           f"- Generation markers in the base template: {tpl.get('generation_markers')}; loss on "
           + ("assistant turns (assistant_only_loss)" if tpl.get("assistant_only_loss") else "the completion only" if job.get("format") != "grpo" else "sampled completions (GRPO)"),
           f"- Assistant end-of-turn token inside the loss mask: {tpl.get('stop_token_trained')}", ""]
+    L += _masking_lines(tpl.get("masking"))
     pk = job.get("packing")
     L += ["## Packing", ""]
     if pk and pk.get("enabled"):

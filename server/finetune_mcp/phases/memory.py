@@ -154,9 +154,9 @@ def safetensors_param_count(folder: Path) -> int | None:
     return total
 
 
-def load_model_info(base_models_dir: Path, base_model: str, hf_home: Path | None = None) -> dict[str, Any]:
+def load_model_info(base_models_dir: Path, base_model: str, hf_home: Path | None = None, data_dirs: list[Path] | None = None) -> dict[str, Any]:
     """Resolve the brief's base model locally and read its config. Raises NotFound/BadInput like models.resolve_base_model."""
-    ref = resolve_base_model(base_model, base_models_dir, hf_home)
+    ref = resolve_base_model(base_model, base_models_dir, hf_home, data_dirs)
     info: dict[str, Any] = {"name": ref.name, "source": None, "config": None}
     cfg_path = ref.path / "config.json" if ref.path is not None else None
     if cfg_path is not None and cfg_path.is_file():

@@ -539,7 +539,7 @@ def _model_for(pc, observed: dict, base_model: str) -> dict[str, Any]:
     if isinstance(recorded, dict) and recorded.get("name") == base_model and (recorded.get("config") or recorded.get("error")):
         return recorded
     try:
-        return memory.load_model_info(pc.ws.base_models_dir, base_model)
+        return memory.load_model_info(pc.ws.base_models_dir, base_model, data_dirs=pc.guard.read_roots)
     except FtError as e:
         return {"name": base_model, "error": str(e)}
 

@@ -32,7 +32,7 @@ class ProgressLog(TrainerCallback):
             "step": state.global_step,
             "loss": float(logs["loss"]),  # NaN / Infinity stay visible (JSON's NaN token) for triage
             "lr": float(logs.get("learning_rate", 0.0)),
-            "mem_gb": self.telemetry.mem_gb,
+            "mem_gb": self.telemetry.take_mem_gb(),
             "temp_c": self.telemetry.temp_c,
         }
         self.progress.write(json.dumps(record) + "\n")
@@ -115,7 +115,7 @@ def report_to(cfg, run_dir):
         os.environ.setdefault("WANDB_DIR", str(logs))
         os.environ.setdefault("WANDB_PROJECT", project)
     try:
-        __import__(TRACKER_MODULES[wanted])
+        tracker = __import__(TRACKER_MODULES[wanted])  # optional: only the chosen tracker must be installed
     except ImportError:
         if wanted == "tensorboard":  # the default: a run without it still trains
             print("[train.py] tensorboard is not installed: no TensorBoard events this run", flush=True)
@@ -123,13 +123,11 @@ def report_to(cfg, run_dir):
         raise SystemExit(f"report_to: {wanted} is not installed in the training environment: "
                          f"pip install 'finetune-mcp[tracking]' there, or set report_to: tensorboard in the brief's Tracking section")
     if wanted == "mlflow" and int(os.environ.get("RANK", "0")) == 0:
-        import mlflow
-
         # The trainer's callback ends the run it starts when training ends, and the evaluation after it would
         # open a second, randomly named run: one run, opened here, holds both.
-        mlflow.set_experiment(project)
-        if mlflow.active_run() is None:
-            mlflow.start_run(run_name=(cfg.get("run") or {}).get("run_id"))
+        tracker.set_experiment(project)
+        if tracker.active_run() is None:
+            tracker.start_run(run_name=(cfg.get("run") or {}).get("run_id"))
     return [wanted]
 
 

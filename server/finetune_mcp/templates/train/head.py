@@ -71,7 +71,9 @@ signal.signal(signal.SIGINT, _on_stop_signal)
 # mem_gb: GPU memory in use from NVML; on a unified-memory GB10, where NVML's memory query is not
 # supported, system memory in use (MemTotal - MemAvailable); without a GPU, the resident memory of
 # this process and its children. temp_c: NVML GPU temperature, else the hottest CPU sensor, else null.
-# A background thread samples every `interval` seconds so that no training step waits on it.
+# A background thread samples every `interval` seconds so that no training step waits on it; a record's
+# mem_gb is the highest value sampled since the previous record, so a short peak between two logging
+# steps (the logits of one long batch) is not missed.
 
 
 def _system_used_gb():
@@ -121,9 +123,11 @@ def _cpu_temp_c():
 
 class Telemetry:
     def __init__(self, interval_s: float):
-        self.interval_s = max(1.0, float(interval_s))
+        self.interval_s = max(0.5, float(interval_s))
         self.mem_gb = None
         self.temp_c = None
+        self._peak = None
+        self._lock = threading.Lock()
         self._nvml = self._open_nvml()
         self._stop = threading.Event()
         self.sample()
@@ -159,6 +163,19 @@ class Telemetry:
             temp = _cpu_temp_c()
         self.mem_gb = round(mem, 3) if mem is not None else None
         self.temp_c = round(temp, 1) if temp is not None else None
+        with self._lock:
+            if self.mem_gb is not None and (self._peak is None or self.mem_gb > self._peak):
+                self._peak = self.mem_gb
+
+    def take_mem_gb(self):
+        """The highest mem_gb sampled since the last call (sampling once more now), then start a new interval."""
+        try:
+            self.sample()
+        except Exception:
+            pass
+        with self._lock:
+            peak, self._peak = self._peak, self.mem_gb
+        return peak
 
     def _loop(self):
         while not self._stop.wait(self.interval_s):

@@ -84,7 +84,7 @@ def main(argv=None):
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "logs"))
     script = cfg["calls"].get("script", {})
-    telemetry = Telemetry(script.get("telemetry_interval_s", 5.0))
+    telemetry = Telemetry(script.get("telemetry_interval_s", 1.0))
     trainer, started = None, time.time()
     try:
         model, processing, peft_config = load_model(cfg)

@@ -1,0 +1,100 @@
+"""Triage accuracy on the corpus of real logs: held-out accuracy and confusion matrix, dev accuracy beside it.
+
+    .venv/bin/python bench/bench_triage.py              # both parts, confusion matrices, per-format table
+    .venv/bin/python bench/bench_triage.py --misses dev # also list the dev cases it gets wrong
+
+The held-out part (split fixed in tests/fixtures/logs/index.yaml before any rule was tuned) is
+measured here only; tests assert case by case on the dev part. Prints one JSON line at the end
+(`--json` prints only that) so run_all.py can collect it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "server"))
+
+from finetune_mcp.triage import classify_text  # noqa: E402
+
+LOGS = ROOT / "tests" / "fixtures" / "logs"
+CLASSES = ("environment", "divergence", "oom", "none")
+
+
+def load_cases() -> list[dict]:
+    return yaml.safe_load((LOGS / "index.yaml").read_text(encoding="utf-8"))["cases"]
+
+
+def run_case(case: dict):
+    text = (LOGS / case["file"]).read_text(encoding="utf-8")
+    return classify_text(text, exit_info=case.get("exit_info"), platform=case.get("platform"))
+
+
+def matrix(rows: list[tuple[str, str]]) -> str:
+    counts = Counter(rows)
+    width = max(len(c) for c in CLASSES) + 2
+    out = ["truth \\ said".ljust(width) + "".join(c[:11].rjust(13) for c in CLASSES)]
+    for t in CLASSES:
+        out.append(t.ljust(width) + "".join(str(counts[(t, p)]).rjust(13) for p in CLASSES))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--misses", choices=["dev", "heldout"], help="list the misses of this part")
+    ap.add_argument("--json", action="store_true", help="print only the summary lines")
+    args = ap.parse_args(argv)
+
+    cases = load_cases()
+    results: dict[str, list[tuple[dict, object]]] = defaultdict(list)
+    t0 = time.perf_counter()
+    for c in cases:
+        results[c["split"]].append((c, run_case(c)))
+    elapsed = time.perf_counter() - t0
+
+    summary = {"cases": len(cases), "seconds": round(elapsed, 2)}
+    for part in ("heldout", "dev"):
+        pairs = results[part]
+        rows = [(c["class"], r.failure_class) for c, r in pairs]
+        hits = sum(t == p for t, p in rows)
+        acc = hits / len(rows) if rows else 0.0
+        summary[f"{part}_accuracy"] = round(acc, 4)
+        summary[f"{part}_cases"] = len(rows)
+        silent = sum(1 for c, r in pairs if c["class"] != "none" and r.failure_class == "none")
+        summary[f"{part}_failures_read_none"] = silent
+        if not args.json:
+            print(f"\n== {part}: {hits}/{len(rows)} = {acc:.3f} class accuracy "
+                  f"({silent} failures read none) ==")
+            print(matrix(rows))
+            per = Counter(c["class"] for c, _ in pairs)
+            print("per class: " + ", ".join(f"{k} {sum(1 for c, r in pairs if c['class'] == k and r.failure_class == k)}/{per[k]}"
+                                            for k in CLASSES))
+        if args.misses == part and not args.json:
+            print(f"\nmisses ({part}):")
+            for c, r in pairs:
+                if c["class"] != r.failure_class:
+                    print(f"  {c['file']}: truth {c['class']}, said {r.failure_class} ({r.confidence:.2f}) "
+                          f"signals={r.signals[:3]} - {r.reason[:160]}")
+    if not args.json:
+        fmts: dict[str, list[bool]] = defaultdict(list)
+        for part in ("heldout", "dev"):
+            for c, r in results[part]:
+                fmts[c["format"]].append(c["class"] == r.failure_class)
+        print("\nper format (both parts): " + ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in sorted(fmts.items(), key=lambda kv: -len(kv[1]))))
+        print(f"\n{len(cases)} logs triaged in {elapsed:.2f} s")
+    for part in ("heldout", "dev"):
+        print("BENCH " + json.dumps({"figure": f"triage class accuracy, {part} part ({summary[part + '_cases']} real logs)",
+                                     "ours": summary[f"{part}_accuracy"], "goal": ">= 0.90" if part == "heldout" else ""}))
+    print(json.dumps({"bench": "triage", **summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The verdict: weigh what signals found into a class with a confidence, the runner-up, verbatim evidence and what evidence is missing.
+
+Rules (SKILL.md#failure-signals): the highest-priority signal decides its class, ties to the earliest
+line; a log that failed (traceback, exception, kill, non-zero exit) never reads `none` unless the only
+stop is one someone asked for - a failure no signal names gets the table's fallback class by its
+exception type, at low confidence; a log with no failure and no failure signal is healthy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from finetune_mcp.triage.signals import Findings, Hit, compiled, fallback_rule, find, find_in_records
+
+FAILURE_CLASSES = ("environment", "divergence", "oom")
+# The runner-up when no other class has any evidence: the nearest alternative, with what would make it so.
+ALTERNATIVE = {
+    "oom": ("environment", "no other class has evidence; a kill or allocator failure can also come from the platform "
+                           "(another process holding the memory, a driver fault)"),
+    "environment": ("oom", "no other class has evidence; setup errors often surface while loading a model, when memory is also tightest"),
+    "divergence": ("environment", "no other class has evidence; broken numbers can come from a library or kernel bug rather than the config"),
+    "none": ("divergence", "no other class has evidence; a slowly drifting curve fires no rule"),
+}
+MAX_EVIDENCE = 12
+# A class with several distinct signals is a little surer than with one; capped so that many weak
+# signals never outrank one strong one of another class.
+EXTRA_SIGNAL_BONUS, EXTRA_SIGNAL_CAP = 2, 6
+
+
+@dataclass
+class RunnerUp:
+    failure_class: str
+    confidence: float
+    why: str
+
+
+@dataclass
+class Classification:
+    """What triage concluded about one log (or one list of progress records).
+
+    evidence: (line number, line) pairs copied verbatim from the log, 1-based; for records, the
+    record's position and the record as JSON. signals: every signal id that matched, the deciding
+    one first. check_id: the preflight check to re-run (environment only). healthy_or_unrecognised:
+    for class none, "healthy" or "stopped" (a stop someone asked for). confidence: 0-1, how far the
+    deciding evidence stands above the rest (a ranking heuristic, not a calibrated probability).
+    """
+
+    failure_class: str
+    reason: str
+    evidence: list[tuple[int, str]] = field(default_factory=list)
+    signals: list[str] = field(default_factory=list)
+    check_id: str | None = None
+    healthy_or_unrecognised: str | None = None
+    confidence: float = 0.0
+    runner_up: RunnerUp | None = None
+    missing_evidence: list[str] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["evidence"] = [{"line": n, "text": t} for n, t in self.evidence]
+        return d
+
+
+def _score(hits: list[Hit]) -> int:
+    top = max(h.signal.priority for h in hits)
+    return top + min(EXTRA_SIGNAL_CAP, EXTRA_SIGNAL_BONUS * (len({h.id for h in hits}) - 1))
+
+
+def _confidence(win: int, runner: int) -> float:
+    c = 0.3 + 0.6 * win / 100 + 0.3 * max(0, win - runner) / 100
+    return round(min(0.99, max(0.05, c)), 2)
+
+
+def _order(hits: list[Hit]) -> list[Hit]:
+    return sorted(hits, key=lambda h: (-h.signal.priority, h.first))
+
+
+def _evidence(hits: list[Hit], extra: list[tuple[int, str]] = ()) -> list[tuple[int, str]]:
+    seen: dict[int, str] = {}
+    for h in hits:
+        for n, t in h.lines:
+            seen.setdefault(n, t)
+    for n, t in extra:
+        seen.setdefault(n, t)
+    return sorted(seen.items())[:MAX_EVIDENCE]
+
+
+def _check_for(sig, platform: str | None) -> str | None:
+    check = getattr(sig, "check", None)
+    if check is None:
+        return None
+    return check.spark if platform == "dgx-spark" else check.generic
+
+
+def _metrics_summary(f: Findings) -> dict:
+    losses = [m.loss for m in f.metrics if m.loss is not None and math.isfinite(m.loss)]
+    grads = [m.grad_norm for m in f.metrics if m.grad_norm is not None and math.isfinite(m.grad_norm)]
+    scales = [m.loss_scale for m in f.metrics if m.loss_scale is not None and math.isfinite(m.loss_scale)]
+    out: dict = {"records": len(f.metrics), "losses": sum(m.loss is not None for m in f.metrics)}
+    if losses:
+        out.update(loss_first=losses[0], loss_min=min(losses), loss_last=losses[-1])
+    if grads:
+        out["grad_norm_max"] = max(grads)
+    if scales:
+        out["loss_scale_last"] = scales[-1]
+    return out
+
+
+def _missing(cls: str, deciding: list[Hit], f: Findings, fallback: bool) -> list[str]:
+    out: list[str] = []
+    if fallback:
+        out.append("no line names the failing component (a package, driver, file, memory or the numbers); "
+                   "the exception type alone decides - read the error lines shown")
+    if f.traceback_cut:
+        out.append("the traceback ends before its exception line - the log (or the excerpt) is cut short")
+    if len({h.id for h in deciding}) == 1 and getattr(deciding[0].signal, "confirm", None):
+        out.append(deciding[0].signal.confirm)
+    if cls == "divergence" and not f.metrics:
+        out.append("no loss or grad-norm values were parsed; the verdict rests on words, not on the curve")
+    if cls == "divergence" and all(h.signal.records_rule for h in deciding) and not (f.markers or f.exception):
+        out.append("no error line - the verdict rests on the logged numbers; the run's config (precision, learning rate) names the cause")
+    if cls == "none" and not f.metrics:
+        out.append("no loss values were found to check the curve; only the absence of failure lines says healthy")
+    if f.exit_code is None and f.exit_signal is None and cls == "oom":
+        out.append("the run's exit status is not known (a bare log): exit 137 / -9 would confirm a kill")
+    if f.exit_code is None and f.exit_signal is None and cls == "none":
+        out.append("the run's exit status is not known (a bare log): a kill or non-zero exit would change the verdict")
+    return out
+
+
+def decide(f: Findings, *, platform: str | None = None) -> Classification:
+    """Weigh findings into a Classification (see the module docstring for the rules)."""
+    comp = compiled(f.table)
+    summary = _metrics_summary(f)
+    dropped_note = ""
+    if f.dropped:
+        ids = ", ".join(sorted({h.id for h in f.dropped}))
+        dropped_note = f" The SIGKILL signs ({ids}) were set aside: stop_run asked for this stop, so the kill is ours, not the OOM killer's."
+
+    by_class: dict[str, list[Hit]] = {}
+    for h in f.hits:
+        by_class.setdefault(h.failure_class, []).append(h)
+    stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped"]
+    scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}
+    fallback = None
+    if f.failed and not scores and not stopped:
+        # Never silent on a failure: the exception type picks a class, weakly.
+        fallback = fallback_rule(comp, f.exception, f.markers)
+        scores[fallback.failure_class] = comp.table.fallback_priority
+    if stopped:
+        scores.setdefault("none", _score(stopped))
+
+    if not scores:
+        kind = "healthy"
+        benign = by_class.get("none", [])
+        what = (f"{summary['losses']} logged loss values look healthy" if summary.get("losses")
+                else "no failure lines and no failure signal")
+        reason = f"No failure: {what}." + (f" Known benign lines: {', '.join(sorted({h.id for h in benign}))}." if benign else "") + dropped_note
+        conf = 0.8 if summary.get("losses") else 0.6
+        return Classification("none", reason, _evidence(benign), [h.id for h in _order(benign)], None, kind, conf,
+                              _alternative("none", conf), _missing("none", benign, f, False), summary)
+
+    ranked = sorted(scores.items(), key=lambda kv: (-kv[1], min((h.first for h in by_class.get(kv[0], [])), default=10**12)))
+    cls, win = ranked[0]
+    runner_cls, runner = ranked[1] if len(ranked) > 1 else (None, 0)
+    conf = _confidence(win, runner)
+    runner_up = RunnerUp(runner_cls, _confidence(runner, win), _why_runner(runner_cls, by_class)) if runner_cls else _alternative(cls, conf)
+
+    if cls == "none":
+        hits = _order(stopped)
+        reason = f"{hits[0].signal.note.strip()} ({hits[0].id}{', line ' + str(hits[0].first) if hits[0].lines else ''})." + dropped_note
+        return Classification("none", reason, _evidence(hits), [h.id for h in _order(f.hits)], None, "stopped", conf, runner_up,
+                              _missing("none", hits, f, False), summary)
+
+    extra = [f.exception] if f.exception else []
+    if fallback is not None:
+        where = f"line {f.exception[0]}" if f.exception else (f"line {f.markers[0][0]}" if f.markers else f"exit status {f.exit_code}")
+        reason = (f"The run failed ({where}) and no known signal names the cause; {fallback.why}, so the likeliest class is "
+                  f"{cls} ({fallback.id}), weakly.") + dropped_note
+        evidence = _evidence([], extra + f.markers)
+        ids = [fallback.id] + [h.id for h in _order(f.hits)]
+        return Classification(cls, reason, evidence, ids, None, None, conf, runner_up, _missing(cls, [], f, True), summary)
+
+    deciding = _order(by_class[cls])
+    win_hit = deciding[0]
+    others = [h for h in _order(f.hits) if h.failure_class != cls]
+    where = f"line {win_hit.first}" if win_hit.lines else "the exit status"
+    reason = f"{win_hit.signal.note.strip()} ({win_hit.id}, {where})"
+    if win_hit.detail:
+        reason += f": {win_hit.detail}"
+    reason += "."
+    if len(deciding) > 1:
+        reason += f" Also for {cls}: {', '.join(h.id for h in deciding[1:])}."
+    if others:
+        names = ", ".join(f"{h.id} ({h.failure_class}, line {h.first})" if h.lines else f"{h.id} ({h.failure_class})" for h in others)
+        reason += f" Also seen and outranked: {names}."
+    reason += dropped_note
+    check = _check_for(win_hit.signal, platform) if cls == "environment" else None
+    if cls == "environment" and check is None:
+        reason += " No preflight check covers this; fix it where the note says, then relaunch."
+    exc_extra = extra if cls != "divergence" or not all(h.signal.records_rule for h in deciding) else []
+    return Classification(cls, reason, _evidence(deciding, exc_extra), [h.id for h in deciding] + [h.id for h in others], check, None,
+                          conf, runner_up, _missing(cls, deciding, f, False), summary)
+
+
+def _alternative(cls: str, conf: float) -> RunnerUp:
+    alt, why = ALTERNATIVE[cls]
+    return RunnerUp(alt, round(max(0.01, (1 - conf) / 2), 2), why)
+
+
+def _why_runner(cls: str, by_class: dict[str, list[Hit]]) -> str:
+    hits = _order(by_class.get(cls, []))
+    if not hits:
+        return "the exception type alone points there"
+    h = hits[0]
+    return f"{h.id}" + (f" (line {h.first})" if h.lines else "") + f": {h.signal.note.strip().split('. ')[0]}"
+
+
+def classify_text(text: str, *, exit_info: dict | None = None, platform: str | None = None, table=None) -> Classification:
+    """Classify one training log.
+
+    exit_info: {"returncode": int, "signal": int | "SIGKILL", "stopped_by": "stop_run" | None}
+    (any key optional). platform: "dgx-spark" picks G-numbered checks, anything else the generic
+    N-numbered ones.
+    """
+    return decide(find(text, exit_info=exit_info, table=table), platform=platform)
+
+
+def classify_records(records: list, *, table=None) -> Classification:
+    """Divergence seen in progress records ({"step", "loss", ...}): the numeric rules only.
+
+    Evidence lines are (position in the list, the record as JSON). A loss of null counts as
+    non-finite, as poll_progress writes NaN that way.
+    """
+    return decide(find_in_records(records, table=table))

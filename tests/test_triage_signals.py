@@ -1,0 +1,110 @@
+"""The signals part of triage alone: each numeric divergence rule, the word signals of every backend, exit status and failure evidence.
+
+Thresholds are read from the failure-signals table, never copied, so a table change moves the tests
+with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune_mcp.triage.parse import Metric
+from finetune_mcp.triage.signals import compiled, exit_fields, find, load_signal_table, number_hits
+
+LOGS = Path(__file__).parent / "fixtures" / "logs"
+RULES = load_signal_table().records
+
+
+def _ids(metrics) -> list[str]:
+    return [h.id for h in number_hits(metrics, compiled())]
+
+
+def _losses(values, **extra) -> list[Metric]:
+    return [Metric(i + 1, f"line {i + 1}", step=i + 1, loss=v, **extra) for i, v in enumerate(values)]
+
+
+def test_nonfinite_loss_and_grad_norm():
+    assert _ids(_losses([2.0, float("nan")])) == ["nonfinite-loss"]
+    assert _ids(_losses([2.0, float("inf")])) == ["nonfinite-loss"]
+    assert _ids([Metric(1, "x", loss=1.0, grad_norm=float("nan"))]) == ["nonfinite-grad-norm"]
+    assert "nonfinite-loss" in _ids([Metric(1, "x", eval_loss=float("nan"))])
+
+
+def test_loss_zero_with_nan_grad_norm():
+    ids = _ids([Metric(i, "x", loss=0.0, grad_norm=float("nan")) for i in range(1, 3)])
+    assert "loss-zero-grad-nan" in ids and "nonfinite-grad-norm" in ids
+
+
+def test_rise_by_a_factor_after_the_minimum():
+    k, n = RULES.rise_factor, RULES.rise_min_history
+    base = [3.0, 2.0, 1.0] + [1.1] * (n - 2)
+    assert "loss-rise" in _ids(_losses(base + [k * 1.0 * 1.01]))
+    assert "loss-rise" not in _ids(_losses(base + [k * 1.0 * 0.95]))
+    # Too little history before the minimum: a start, not a rise.
+    assert "loss-rise" not in _ids(_losses([1.0] + [k * 2] * 1))
+    # A converged run's tiny loss wobbling up is not a rise: it does not climb back toward the start.
+    first = 2.0
+    low = first * RULES.rise_back_to / (k * 4)
+    assert "loss-rise" not in _ids(_losses([first, 1.0, 0.5] + [low] * n + [low * k * 1.5]))
+
+
+def test_spike_against_the_rolling_median():
+    k = RULES.spike_factor
+    hits = number_hits(_losses([2.0, 1.9, 1.8, 1.7, 1.8 * k * 1.1, 1.6]), compiled())
+    spike = next(h for h in hits if h.id == "loss-spike")
+    assert spike.lines == [(5, "line 5")]
+    assert "loss-spike" not in _ids(_losses([2.0, 1.9, 1.8, 1.7, 1.8 * k * 0.9, 1.6]))
+    assert "loss-spike" not in _ids(_losses([40.0, 2.0, 1.9]))  # a high first loss is a start
+
+
+def test_loss_scale_collapsing_to_its_floor():
+    floor = RULES.loss_scale_floor
+    cut = [Metric(1, "x", loss_scale=floor, scale_cut=True)]
+    assert _ids(cut) == ["loss-scale-collapse"]
+    # A logged scale that fell to the floor counts; one that merely sits at 1 (bf16 Megatron) does not.
+    fell = [Metric(1, "a", loss_scale=65536.0), Metric(2, "b", loss_scale=floor / 2)]
+    assert _ids(fell) == ["loss-scale-collapse"]
+    assert _ids([Metric(i, "a", loss_scale=1.0) for i in range(1, 6)]) == []
+    # Cuts from a huge initial scale (the scaler settling) stay above the floor.
+    assert _ids([Metric(i, "a", loss_scale=2.0 ** (32 - i), scale_cut=True) for i in range(1, 8)]) == []
+
+
+def test_flat_and_zero_losses_and_grad_explosion():
+    assert _ids(_losses([1.25] * RULES.flat_identical_run)) == ["flat-loss"]
+    assert _ids(_losses([1.25] * (RULES.flat_identical_run - 1))) == []
+    assert _ids(_losses([6.0] + [0.0] * RULES.zero_loss_run)) == ["flat-loss"]
+    assert _ids([Metric(1, "x", loss=1.0, grad_norm=RULES.grad_norm_max)]) == ["grad-norm-explosion"]
+
+
+@pytest.mark.parametrize("line, signal", [
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", "cuda-oom"),
+    ("torch.OutOfMemoryError: HIP out of memory. Tried to allocate 124.00 MiB.", "backend-oom"),
+    ("RuntimeError: MPS backend out of memory (MPS allocated: 9.48 GiB, other allocations: 480.00 KiB, max allowed: 9.47 GiB).", "backend-oom"),
+    ("RESOURCE_EXHAUSTED: Attempting to reserve 6.48G at the bottom of memory.", "backend-oom"),
+    ("libc++abi: terminating due to uncaught exception of type std::runtime_error: [METAL] Command buffer execution failed: "
+     "Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)", "backend-oom"),
+    ("NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY]", "unified-memory-exhausted"),
+    ("(raylet) node_manager.cc:3277: 2 Workers (tasks / actors) killed due to memory pressure (OOM)", "kernel-oom-killer"),
+    ("subprocess.CalledProcessError: Command '['python3']' died with <Signals.SIGKILL: 9>.", "sigkill-in-log"),
+    ("deepspeed.ops.op_builder.builder.MissingCUDAException: CUDA_HOME does not exist, unable to compile CUDA op(s)", "cuda-toolkit-missing"),
+    ("RuntimeError: Error building extension 'fused_adam'", "extension-build-failed"),
+    ("ImportError: cannot import name 'SFTConfig' from 'trl'", "python-import-error"),
+])
+def test_word_signals_of_every_backend(line, signal):
+    # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
+    # subprocess, DeepSpeed's op builder, torch.utils.cpp_extension, Python's import system).
+    assert signal in [h.id for h in find(line + "\n").hits]
+
+
+def test_exit_status_and_failure_evidence():
+    assert exit_fields({"returncode": -9}) == (-9, 9, None)
+    assert exit_fields({"signal": "SIGKILL", "stopped_by": "stop_run"}) == (None, 9, "stop_run")
+    f = find((LOGS / "env-setup-keyerror-text-column-sft.log").read_text())
+    assert f.failed and f.exception and "KeyError" in f.exception[1]
+    cut = find('Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n')
+    assert cut.failed and cut.traceback_cut  # an excerpt that stops inside the traceback
+    healthy = find((LOGS / "none-healthy-trl-sft-llama2-loss-decreasing.log").read_text())
+    assert not healthy.failed and not healthy.hits and len(healthy.metrics) == 11
+    assert not find("Traceback (most recent call last):\nValueError: handled\n", exit_info={"returncode": 0}).failed
