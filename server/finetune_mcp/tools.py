@@ -125,15 +125,19 @@ def check_table(role: str, allowed: list[str], where: str) -> list[Tool]:
 
 @cache
 def _missing_function(module: str, name: str) -> str | None:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.origin:
-        return f"module {module} does not exist"
-    try:
-        source = Path(spec.origin).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        source = None
-    if source is None:  # no source to read (a bytecode-only install): import it after all
+    # The file is found from the dotted name, not with importlib.util.find_spec, which imports every parent
+    # package on the way (finetune_mcp.triage's __init__ pulls in the whole classifier).
+    parts = module.split(".")
+    if parts[0] != "finetune_mcp":
+        return f"module {module} is not part of finetune_mcp"
+    base = Path(__file__).resolve().parent.joinpath(*parts[1:])
+    path = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+    if not path.is_file():
+        if importlib.util.find_spec(module) is None:
+            return f"module {module} does not exist"
+        # installed without sources (bytecode only): import it after all
         return None if callable(getattr(importlib.import_module(module), name, None)) else f"{module} defines no {name}"
+    source = path.read_text(encoding="utf-8")
     if not re.search(rf"^def {re.escape(name)}\(\s*pc\b", source, re.M):
         return f"{module} defines no top-level `def {name}(pc, ...)`"
     return None
