@@ -7,7 +7,6 @@ import ast
 import multiprocessing
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from conftest import REPO, server_command
 from finetune_mcp.app import MIN_TOKEN_CHARS, load_tokens
-from finetune_mcp.errors import BadInput, FtError, NotFound
+from finetune_mcp.errors import BadInput, FtError
 
 SECRET = "s3cret-" + "9f8e7d6c5b4a3f2e1d0c"
 SERVER_SRC = REPO / "server" / "finetune_mcp"

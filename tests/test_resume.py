@@ -13,11 +13,9 @@ import json
 import math
 import os
 import signal
-import time
 
 import anyio
 import psutil
-import pytest
 
 from conftest import mcp_session
 from test_run import KEYS, call, finished, pipeline, poll_until, refused, run_dir_of  # noqa: F401  (pipeline: fixture)

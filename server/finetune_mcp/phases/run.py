@@ -25,7 +25,7 @@ from finetune_mcp import roadbook
 from finetune_mcp import schemas as S
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.digest import verify_folder
-from finetune_mcp.errors import BadInput, FtError, NotFound, Refused
+from finetune_mcp.errors import BadInput, NotFound, Refused
 from finetune_mcp.launchers import get_launcher
 from finetune_mcp.launchers.base import STOP_MARKER, RunSpec
 from finetune_mcp.phases import progress
