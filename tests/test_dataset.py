@@ -249,11 +249,12 @@ def test_sharegpt_is_converted_losslessly_and_other_shapes_are_refused_by_name(w
     assert sorted(json.dumps([(m["role"], m["content"]) for m in r["messages"]]) for r in out) == sorted(
         json.dumps([({"human": "user", "gpt": "assistant"}[t["from"]], t["value"]) for t in r["conversations"]]) for r in src)
 
-    alpaca = ws.root / "incoming" / "alpaca.jsonl"
-    task.write_jsonl([{"instruction": "Say hi", "input": "", "output": "Hi"}] * 3, alpaca)
+    pairs = ws.root / "incoming" / "pairs.jsonl"
+    task.write_jsonl(task.preference_pairs(20), pairs)
     with pytest.raises(BadInput) as e:
-        prepare_dataset(context(ws), str(write_brief(ws, "sft-lora")), str(alpaca))
+        prepare_dataset(context(ws), str(write_brief(ws, "sft-lora")), str(pairs))
     assert "messages: messages" in e.value.message and "prompt-completion: prompt, completion" in e.value.message
+    assert "which answer to learn is a choice" in e.value.message and "train DPO, ORPO, SimPO or KTO" in e.value.fix
     sft_for_dpo = ws.root / "incoming" / "sft.jsonl"
     task.write_jsonl(task.sft_conversations(20), sft_for_dpo)
     with pytest.raises(BadInput, match="preference: prompt, chosen, rejected"):
@@ -347,9 +348,11 @@ def test_hf_dataset_from_the_local_cache_only(ws, monkeypatch, tmp_path):
     r = prepare_dataset(context(ws), brief, "acme/tiny-sft", dataset_name="hub")
     assert r.complete, (r.summary, [c for c in r.checklist if not c.ok])
     assert r.counts["train"] + r.counts["eval"] == 40
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by the user's choice: the worker must not try the hub
     with pytest.raises(NotFound) as e:
         prepare_dataset(context(ws), brief, "acme/not-cached")
-    assert "local HF cache" in e.value.message and "never downloads" in e.value.message
+    assert "not in the local HF cache" in e.value.message
+    assert "python -c \"import datasets; datasets.load_dataset('acme/not-cached')\"" in e.value.fix
 
 
 def test_arguments_are_checked(ws):

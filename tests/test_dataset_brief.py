@@ -100,8 +100,8 @@ tensorrt
     msg = e.value.message
     assert "## Task: section is empty" in msg
     assert "## Chosen Method: unknown method 'PPO'" in msg and "SFT-LoRA, SFT-QLoRA, DPO, ORPO, KTO, SimPO, GRPO, VLM-SFT" in msg
-    assert "unknown format 'tabular'" in msg and "messages|prompt-completion|preference|kto|grpo|vision" in msg
-    assert "no max_seq_length line" in msg
+    assert "unknown format 'tabular'" in msg and "messages|text|prompt-completion|preference|kto|grpo|vision" in msg
+    assert "max_seq_length" not in msg  # optional: prepare_dataset takes the method recipe's default
     assert "packing: 'maybe' is not true or false" in msg
     assert "## Memory Budget: 'plenty' is not an amount of memory" in msg
     assert "## Deployment Target: 'tensorrt': no known runtime named" in msg and "llama.cpp" in msg
@@ -132,6 +132,24 @@ def test_defaults_are_applied_and_reported():
     b = parse_brief(text, "b.md")
     assert b.dataset_format == "kto" and b.packing is False
     assert b.defaults_applied == ["format: kto (default for KTO)", "packing: false (not stated)"]
+
+
+def test_data_lines_provenance_fill_and_placeholders():
+    text = task.sample_brief("sft-lora").replace("max_seq_length: 64\n", (
+        "provenance: hand-written\n"
+        'fill: name=Ada, author="Example Labs, Inc."\n'
+        "placeholders: keep\n"
+        "<!-- reward: exact_match; max_seq_length: 12 -->\n"))
+    b = parse_brief(text, "b.md")
+    assert b.max_seq_length is None and any(d.startswith("max_seq_length: not stated") for d in b.defaults_applied)
+    assert b.provenance == "curated" and b.fill == {"name": "Ada", "author": "Example Labs, Inc."} and b.keep_placeholders
+    assert b.reward == []  # a comment is never a value
+    bad = task.sample_brief("sft-lora").replace("packing: true\n", "packing: true\nprovenance: scraped\nfill: just text\nplaceholders: maybe\n")
+    with pytest.raises(BadInput) as e:
+        parse_brief(bad, "b.md")
+    assert "provenance: 'scraped' is not a provenance (accepted: synthetic|curated|mixed)" in e.value.message
+    assert "fill: 'just text' is not a list of name=value pairs" in e.value.message
+    assert "placeholders: 'maybe' is not a policy (accepted: fail|keep)" in e.value.message
 
 
 def test_load_brief_from_files(tmp_path, ws_root):

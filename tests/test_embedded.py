@@ -317,7 +317,7 @@ def test_missing_hf_id_says_how_to_get_it(tmp_path):
         models.resolve_base_model("some-org/not-downloaded", tmp_path / "base-models", tmp_path / "hf")
     text = str(e.value)
     assert "not in the local HF cache" in text
-    assert "huggingface-cli download some-org/not-downloaded" in text and "HF_HOME" in text
+    assert "finetune-mcp models pull some-org/not-downloaded" in text and "HF_HUB_OFFLINE" in text
 
 
 def test_local_folder_under_base_models(tmp_path, tiny_model_dir):

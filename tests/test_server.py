@@ -34,8 +34,8 @@ def test_stdio_tools_per_role(ws_root):
                 assert t.description
             assert tools["poll_progress"].annotations.read_only_hint is True
             assert tools["stop_run"].annotations.destructive_hint is True
-            prompts = [p.name for p in (await s.list_prompts()).prompts]
-            assert prompts == ["training-engineer"]
+            prompts = sorted(p.name for p in (await s.list_prompts()).prompts)
+            assert prompts == ["draft_brief", "training-engineer"]
             text = (await s.get_prompt("training-engineer")).messages[0].content.text
             assert "Divergence" in text and "OOM ladder" in text
         async with mcp_session("eval-engineer") as s:

@@ -17,6 +17,7 @@ import yaml
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
 from mcp_types import CallToolResult, ImageContent, TextContent
+from pydantic import Field
 
 from finetune_mcp import __version__, schemas as S
 from finetune_mcp.context import PhaseContext
@@ -89,6 +90,7 @@ def build_server(role: str, ws: Workspace | None = None, data_dirs: list[Path] |
         server.add_tool(_mcp_function(pc, tool), name=tool.name, title=tool.title, annotations=tool.annotations,
                         description=tool.description)
     _register_resources(server, pc)
+    _register_brief_help(server, pc, set(policy.tools))
 
     @server.prompt(name=role, title=f"{role} agent prompt", description=policy.summary)
     def role_prompt() -> str:
@@ -138,6 +140,36 @@ def _register_resources(server: MCPServer, pc: PhaseContext) -> None:
             return json.dumps({"run_id": f"{experiment}/{run_id}", "dir": str(d), "files": files, **state}, indent=2)
         except FtError as e:
             raise ResourceError(str(e)) from None
+
+
+def _register_brief_help(server: MCPServer, pc: PhaseContext, allowed: set[str]) -> None:
+    """The brief, documented where an agent looks: a complete example as a resource, and a prompt that drafts one."""
+    from finetune_mcp.phases.brief import example_brief
+
+    @server.resource("brief://example", name="brief-example", title="A complete training brief: every section, every accepted value",
+                     mime_type="text/markdown")
+    def brief_example() -> str:
+        return example_brief()
+
+    if "prepare_dataset" not in allowed:
+        return
+
+    @server.prompt(name="draft_brief", title="Draft a training brief",
+                   description="A draft training-brief.md for a one-line goal, a base model and a data file, with the values to confirm marked")
+    def draft_brief(
+        goal: Annotated[str, Field(description="one line: what the tuned model should do")],
+        base_model: Annotated[str, Field(description="an HF id, a base-models/ folder name, or finetune-mcp-tiny")],
+        data_file: Annotated[str, Field(description="the data file or folder prepare_dataset will read")],
+    ) -> str:
+        from mcp.shared.exceptions import MCPError
+        from mcp_types import INVALID_PARAMS
+
+        from finetune_mcp.phases.dataset import draft_brief as draft  # imported on use, like every phase module
+
+        try:
+            return draft(pc, goal=goal, base_model=base_model, data_file=data_file)
+        except FtError as e:  # the SDK replaces other exceptions' text with a generic one
+            raise MCPError(INVALID_PARAMS, str(e)) from None
 
 
 def _visible(pc: PhaseContext, path: Path) -> bool:

@@ -46,7 +46,7 @@ class PrepareDatasetArgs(Args):
     the Phase 2 exit checklist (`complete` is false unless every item holds)."""
 
     brief_path: Annotated[str, Field(description="the training-brief.md to execute")]
-    source: Annotated[str, Field(description="JSONL/JSON/Parquet/CSV file or folder, a save_to_disk folder, or an HF dataset id in the local cache")]
+    source: Annotated[str, Field(description="JSONL/JSON/Parquet/CSV file or folder, a save_to_disk folder, or an HF dataset id: org/name, org/name:split or org/name:config:split")]
     dataset_name: Annotated[str | None, Field(description="name under $DGX_SPARK_ROOT/datasets/ (default: from the experiment)")] = None
     eval_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.05
 
@@ -73,6 +73,10 @@ class PrepareDatasetResult(Result):
     method: str
     format: str = Field(description="detected source format")
     converted_from: str | None = None
+    conversion: dict[str, Any] | None = Field(None, description="source shape, conversion steps, what they did (in records), placeholders filled, columns left out")
+    max_seq_length: int | None = Field(None, description="the length applied: the brief's, or the method recipe's default (then a warning gives the data's p99)")
+    provenance: str | None = Field(None, description="synthetic | curated | mixed: decides whether the collapse guard fails or warns")
+    tokens: dict[str, Any] | None = Field(None, description="tokens per record under the real template (p50, p95, p99, max) and the share over max_seq_length")
     dataset_dir: str | None = None
     counts: dict[str, int] = Field(default_factory=dict)
     problems: list[Problem] = Field(default_factory=list, description="listed one by one, up to the skill's listed_per_code per code and severity")
@@ -89,6 +93,9 @@ class PrepareDatasetResult(Result):
         lines = [self.summary, "", f"Experiment: {self.experiment_dir}"]
         if self.dataset_dir:
             lines.append(f"Dataset: {self.dataset_dir}")
+        if self.conversion and self.conversion.get("steps"):
+            lines.append(f"Converted from the {self.conversion.get('source_shape')} shape: {' → '.join(self.conversion['steps'])} "
+                         "(the dataset card says how, and that nothing was dropped)")
         lines += ["", "Phase 2 exit checklist:"]
         lines += [f"  [{'x' if c.ok else ' '}] {c.item}\n        {c.evidence}" for c in self.checklist]
         errors = [p for p in self.problems if p.severity == "error"]
@@ -135,6 +142,8 @@ class PreflightResult(Result):
     verdict: Literal["ready", "ready-with-warnings", "blocked"]
     checks: list[CheckResult]
     memory_estimate: dict[str, Any] = Field(default_factory=dict)
+    time_estimate: dict[str, Any] = Field(default_factory=dict, description="expected wall time from real training steps timed in the worker "
+                                          "(seconds per step, steps, wall, the brief's time budget)")
     env_report: str
 
     def text(self) -> str:

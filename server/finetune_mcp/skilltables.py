@@ -31,13 +31,14 @@ def table(skill: str, name: str):
 from pydantic import model_validator as _dc_model_validator  # noqa: E402  (section-local import)
 
 DC_METHODS = ("sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft")
-DC_FORMATS = ("messages", "prompt-completion", "preference", "kto", "grpo", "vision")
+DC_FORMATS = ("messages", "text", "prompt-completion", "preference", "kto", "grpo", "vision")
+DcMethod = Literal["sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft"]
 
 
 class DcFormat(Strict):
     """One dataset format a method trains on."""
 
-    methods: list[Literal["sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft"]]
+    methods: list[DcMethod]
     required_fields: list[str]
     optional_fields: list[str] = Field(default_factory=list)
     example: str = Field(description="one JSON line of this format")
@@ -46,30 +47,58 @@ class DcFormat(Strict):
     anchor: str
 
 
-class DcConversion(Strict):
-    """A shape the tool rewrites into a format without losing anything."""
+class DcShape(Strict):
+    """A record shape prepare_dataset recognises (jobs/_convert.shape_of detects it)."""
 
-    id: Literal["sharegpt-to-messages", "conversations-to-messages", "implicit-prompt-preference", "preference-to-kto"]
+    fields: list[str] = Field(min_length=1)
+    origin: str = Field(description="the document that defines the shape")
+
+
+class DcConversion(Strict):
+    """A shape the tool rewrites into another shape or a format without losing anything."""
+
+    id: str = Field(pattern=r"^[a-z0-9-]+$", description="one converter in jobs/_convert.CONVERTERS")
     source: str = Field(description="the detected shape")
-    target: Literal["messages", "prompt-completion", "preference", "kto", "grpo", "vision"]
-    only_for: list[str] = Field(default_factory=list, description="methods it applies to (empty: every method the target fits)")
+    target: str = Field(description="a format, or a shape another conversion takes on from")
+    only_for: list[DcMethod] = Field(default_factory=list, description="methods it applies to (empty: every method the target fits)")
     how: str
+    cite: str = Field(description="where the mapping rule comes from")
+    trained: str | None = Field(None, description="which of the converted turns carry loss, when that is worth saying")
     role_map: dict[str, str] = Field(default_factory=dict)
 
 
-class DcRefusedShape(Strict):
-    shape: str
-    detect_fields: list[str]
+class DcRefusal(Strict):
+    shapes: list[str] = Field(min_length=1)
+    methods: list[DcMethod] = Field(default_factory=list, description="methods the rule is for (empty: all)")
     why: str
+    choices: str = Field(description="what the user can do instead, named in the refusal")
 
 
 @table("dataset-curation", "formats")
 class DcFormatsTable(Strict):
-    formats: dict[Literal["messages", "prompt-completion", "preference", "kto", "grpo", "vision"], DcFormat]
+    formats: dict[Literal["messages", "text", "prompt-completion", "preference", "kto", "grpo", "vision"], DcFormat]
+    shapes: dict[str, DcShape]
     conversions: list[DcConversion]
-    refused_shapes: list[DcRefusedShape]
+    refusals: list[DcRefusal]
     reference_fields: list[str] = Field(description="GRPO: column names accepted as the reference answer, in order of preference")
     roles: list[str]
+
+    @_dc_model_validator(mode="after")
+    def _consistent(self):
+        from finetune_mcp.jobs._convert import CONVERTERS
+
+        ids = [c.id for c in self.conversions]
+        if set(ids) != set(CONVERTERS) or len(ids) != len(set(ids)):
+            raise ValueError(f"conversion ids must be the converters of jobs/_convert.py, once each: {sorted(set(ids) ^ set(CONVERTERS))}")
+        known = set(self.shapes) | set(self.formats)
+        for c in self.conversions:
+            if c.source not in self.shapes or c.target not in known:
+                raise ValueError(f"conversion {c.id}: source {c.source!r} and target {c.target!r} must be shapes (or a format)")
+        for r in self.refusals:
+            unknown = [s for s in r.shapes if s not in self.shapes]
+            if unknown:
+                raise ValueError(f"refusal of {unknown} names shapes the shapes table lacks")
+        return self
 
 
 class DcShareRule(Strict):
@@ -111,6 +140,18 @@ class DcMinHash(Strict):
         return self
 
 
+class DcProvenanceRule(Strict):
+    on_fail: Literal["error", "warning"] = Field(description="what a reading past a fail bound becomes")
+    why: str
+
+
+class DcProvenance(Strict):
+    default: Literal["synthetic", "curated", "mixed"] = Field(description="applied when neither the brief nor the data says")
+    synthetic: DcProvenanceRule
+    mixed: DcProvenanceRule
+    curated: DcProvenanceRule
+
+
 @table("dataset-curation", "collapse")
 class DcCollapseTable(Strict):
     sample_words: int = Field(ge=100, description="distinct-n is measured on this many words of trained text, so sets of any size compare")
@@ -118,6 +159,7 @@ class DcCollapseTable(Strict):
     min_records: int = Field(ge=2, description="below this the metrics are reported but cannot fail the phase")
     minhash: DcMinHash
     metrics: dict[Literal["distinct-1", "distinct-2", "near-duplicate-share", "length-cv", "top-opening-share"], DcMetric]
+    provenance: DcProvenance
 
 
 class DcCardField(Strict):
@@ -142,7 +184,7 @@ class DcCardTable(Strict):
 
 from pydantic import model_validator as _sp_model_validator  # noqa: E402  (section-local import)
 
-PREFLIGHT_CHECK_IDS = ("G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1")
+PREFLIGHT_CHECK_IDS = ("G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1", "T1")
 PreflightPlatform = Literal["dgx-spark", "generic-nvidia", "cpu"]
 
 
@@ -161,12 +203,11 @@ class PreflightThresholds(Strict):
     backend_imports: list[str] | None = Field(default=None, description="modules of the Unsloth fast path (TRL+PEFT remains without them)")
     method_imports: dict[str, list[str]] | None = Field(default=None, description="modules a method needs on top (method id -> modules)")
     min_capability: float | None = Field(default=None, description="lowest compute capability with native bf16")
-    max_params: int | None = Field(default=None, gt=0, description="largest parameter count trained on a CPU without a warning")
     gpu_only_methods: list[str] | None = Field(default=None, description="methods whose kernels need CUDA")
 
 
 class PreflightCheck(Strict):
-    id: Literal["G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1"]
+    id: Literal["G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1", "T1"]
     name: str
     platforms: list[PreflightPlatform] = Field(min_length=1)
     what: str = Field(description="one line: what is observed and compared")
@@ -219,6 +260,8 @@ class MemoryTable(Strict):
     activation_bytes_per_value: dict[Literal["fp32", "16bit"], float]
     logits_bytes_per_token_vocab: dict[Literal["fp32", "16bit"], float]
     overhead_gb: dict[Literal["cuda", "cpu"], float]
+    attention_score_copies: dict[Literal["cuda", "cpu"], float] = Field(
+        description="s x s attention matrices kept per head for backward: 0 with fused SDPA kernels, scores + probabilities with the math kernel")
     defaults: MemoryDefaults
     methods: dict[Literal["sft-lora", "sft-qlora", "dpo", "orpo", "kto", "simpo", "grpo", "vlm-sft"], MemoryMethod]
 

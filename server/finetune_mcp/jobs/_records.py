@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from finetune_mcp.jobs import _convert as C
 from finetune_mcp.jobs._proto import JobError
 
 TEXT_EXTS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv"}
@@ -48,8 +49,9 @@ class Sink:
     def add(self, p: dict) -> None:
         c = self.counts.setdefault(p["code"], {"error": 0, "warning": 0})
         c[p["severity"]] += 1
-        # Counted per severity, so a set-level error after many per-record warnings is still listed.
-        if c[p["severity"]] <= self.per_code:
+        # Counted per severity, so a set-level error after many per-record warnings is still listed; set-level
+        # problems (no line, no record) are few and carry the summary, so they are always listed.
+        if c[p["severity"]] <= self.per_code or (p["line"] is None and p["record"] is None):
             self.listed.append(p)
 
     def error(self, code: str, message: str, **where) -> None:
@@ -356,148 +358,15 @@ def file_digests(paths: list[str]) -> dict[str, str]:
 # ---------------------------------------------------------------- shapes and formats
 
 
-def _is_msg_list(v: Any) -> bool:
-    return isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) for m in v)
+shape_of, detect_shape = C.shape_of, C.detect_shape
 
 
-def shape_of(row: Any, reference_fields: list[str]) -> str:
-    """The record shape by its columns: a format name, a convertible shape, or a refused one."""
-    if not isinstance(row, dict):
-        return "not-an-object"
-    keys = set(row)
-    if "messages" in keys:
-        return "vision" if ("images" in keys or "image" in keys) else "messages"
-    if "conversations" in keys:
-        conv = row["conversations"]
-        if _is_msg_list(conv) and "from" in conv[0] and "value" in conv[0]:
-            return "sharegpt"
-        return "conversations"
-    if {"chosen", "rejected"} <= keys:
-        return "preference" if "prompt" in keys else "implicit-prompt-preference"
-    if {"prompt", "completion", "label"} <= keys:
-        return "kto"
-    if {"prompt", "completion"} <= keys:
-        return "vision" if ("images" in keys or "image" in keys) else "prompt-completion"
-    if "prompt" in keys and keys & set(reference_fields):
-        return "grpo"
-    if {"instruction", "output"} <= keys:
-        return "alpaca"
-    if "prompt" in keys:
-        return "prompt-only"
-    if "text" in keys:
-        return "text"
-    return "unknown"
-
-
-def detect_shape(rows: list[Any], reference_fields: list[str]) -> str:
-    """The most common shape among the first 200 object rows (ties: the first seen)."""
-    counts: dict[str, int] = {}
-    for r in rows[:200]:
-        if isinstance(r, dict):
-            s = shape_of(r, reference_fields)
-            counts[s] = counts.get(s, 0) + 1
-    if not counts:
-        return "unknown"
-    return max(counts, key=lambda s: counts[s])
-
-
-def plan_format(shape: str, method: str, formats: dict) -> tuple[str, str | None]:
-    """(target format, conversion id or None) for a detected shape and method; JobError(BadInput) when refused."""
-    table = formats["formats"]
-    accepted = [name for name, spec in table.items() if method in spec["methods"]]
-    if shape in accepted:
-        return shape, None
-    for conv in formats["conversions"]:
-        if conv["source"] != shape or conv["target"] not in accepted:
-            continue
-        if conv.get("only_for") and method not in conv["only_for"]:
-            continue
-        return conv["target"], conv["id"]
-    expected = "; ".join(f"{name}: {', '.join(table[name]['required_fields'])}" for name in accepted)
-    examples = " | ".join(table[name]["example"] for name in accepted[:2])
-    refused = next((r for r in formats["refused_shapes"] if r["shape"] == shape), None)
-    seen = {
-        "unknown": "no known columns",
-        "not-an-object": "records that are not JSON objects",
-        "implicit-prompt-preference": "chosen/rejected pairs without a prompt column",
-    }.get(shape, f"the {shape} shape")
-    why = f" ({refused['why']})" if refused else ""
-    raise JobError(
-        f"the records have {seen}{why}, which the chosen method {method} cannot train on; it expects {expected}",
-        kind="BadInput",
-        where="source (first records)",
-        fix=f"rewrite the records with the expected fields, e.g. {examples}",
-    )
-
-
-# ---------------------------------------------------------------- conversions
-
-
-def _sharegpt_to_messages(row: dict, at: dict, sink: Sink, role_map: dict[str, str]) -> dict | None:
-    conv = row.get("conversations")
-    if not isinstance(conv, list):
-        sink.error("wrong-type", "conversations is not a list of turns", field="conversations", **at)
-        return None
-    out = []
-    ok = True
-    for i, turn in enumerate(conv):
-        if not isinstance(turn, dict):
-            sink.error("wrong-type", "a turn is not an object", field=f"conversations[{i}]", **at)
-            ok = False
-            continue
-        if "from" not in turn:
-            sink.error("missing-field", "turn has no 'from'", field=f"conversations[{i}].from", **at)
-            ok = False
-            continue
-        src = turn["from"]
-        role = role_map.get(src.strip().lower()) if isinstance(src, str) else None
-        if role is None:
-            sink.error("unknown-role", f"turn 'from' {src!r} maps to no role (known: {', '.join(sorted(role_map))})", field=f"conversations[{i}].from", **at)
-            ok = False
-            continue
-        msg = {"role": role}
-        if "value" in turn:
-            msg["content"] = turn["value"]
-        out.append(msg)
-    if not ok:
-        return None
-    new = {k: v for k, v in row.items() if k != "conversations"}
-    new["messages"] = out
-    return new
-
-
-def _conversations_to_messages(row: dict) -> dict:
-    new = {k: v for k, v in row.items() if k != "conversations"}
-    new["messages"] = row["conversations"]
-    return new
-
-
-def _extract_prompt(row: dict, at: dict, sink: Sink) -> dict | None:
-    """TRL extract_prompt: the shared leading turns (or characters) of chosen and rejected become the prompt."""
-    c, r = row.get("chosen"), row.get("rejected")
-    if isinstance(c, list) and isinstance(r, list):
-        idx = 0
-        while idx < min(len(c), len(r)) and c[idx] == r[idx]:
-            idx += 1
-        if idx == 0:
-            sink.error("missing-field", "no prompt column, and chosen and rejected share no leading turns to take it from", field="prompt", **at)
-            return None
-    elif isinstance(c, str) and isinstance(r, str):
-        idx = 0
-        m = min(len(c), len(r))
-        while idx < m and c[idx] == r[idx]:
-            idx += 1
-        if idx < m and idx > 0 and c[idx - 1] == " ":
-            idx -= 1
-        if idx == 0:
-            sink.error("missing-field", "no prompt column, and chosen and rejected share no leading text to take it from", field="prompt", **at)
-            return None
-    else:
-        sink.error("wrong-type", "chosen and rejected must both be text or both be lists of messages", field="chosen/rejected", **at)
-        return None
-    new = {k: v for k, v in row.items() if k not in ("chosen", "rejected")}
-    new.update(prompt=c[:idx], chosen=c[idx:], rejected=r[idx:])
-    return new
+def plan_format(shape: str, method: str, formats: dict, needs_reference: bool = True) -> tuple[str, list[str]]:
+    """(target format, conversion ids in order) for a detected shape and method; JobError(BadInput) when refused."""
+    try:
+        return C.plan(shape, method, formats, needs_reference)
+    except C.Refusal as r:
+        raise JobError(r.message, kind="BadInput", where="source (first records)", fix=r.fix) from None
 
 
 # ---------------------------------------------------------------- validation
@@ -641,7 +510,7 @@ class _V:
             self.err("roles-order", "the prompt ends with an assistant turn; that answer belongs in the completion", f"{fld}[{len(roles) - 1}].role")
 
 
-MAIN_FIELDS = {"messages": "messages", "vision": "messages", "prompt-completion": "prompt/completion",
+MAIN_FIELDS = {"messages": "messages", "vision": "messages", "prompt-completion": "prompt/completion", "text": "text",
                "preference": "prompt/chosen/rejected", "kto": "prompt/completion/label", "grpo": "prompt"}
 
 
@@ -654,14 +523,7 @@ def _type(v: Any) -> str:
     return {dict: "an object", list: "a list", str: "text", bool: "a boolean", int: "a number", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-def _label(v: Any) -> bool | None:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, int) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
-        return v.strip().lower() in ("true", "1")
-    return None
+_label = C.label_value
 
 
 def check_records(
@@ -672,12 +534,19 @@ def check_records(
     formats: dict,
     validation: dict,
     path_ok: Callable[[Path], bool] | None = None,
+    fill: dict[str, str] | None = None,
+    keep_placeholders: bool = False,
+    needs_reference: bool = True,
 ) -> Checked:
-    """Validate and normalise every row. Structural problems are errors; exact duplicates are dropped
-    (warning, or error above the skill's share). Raises JobError(BadInput) when the shape cannot fit."""
+    """Convert, validate and normalise every row. Structural problems are errors; exact duplicates are dropped
+    (warning, or error above the skill's share). Raises JobError(BadInput) when the shape cannot fit.
+
+    fill: {{name}} placeholders to fill before anything else (the brief's `fill:`); placeholders left over are
+    errors unless keep_placeholders. needs_reference: whether GRPO's rewards need a reference-answer column."""
     refs = formats["reference_fields"]
     roles = formats["roles"]
     role_map = next((c["role_map"] for c in formats["conversions"] if c["id"] == "sharegpt-to-messages"), {})
+    report = C.Report()
     if not any(isinstance(r, dict) for r in raw.rows):
         # Nothing readable to judge the shape by: report what was wrong with the lines (or that there were none).
         fmt = next(n for n, spec in formats["formats"].items() if method in spec["methods"])
@@ -685,11 +554,20 @@ def check_records(
             sink.error("not-an-object", f"record is {_type(row)}, not an object with the format's columns", file=f, line=line, record=idx)
         if not raw.rows and not sink.errors:
             sink.error("empty-field", "the source holds no records", file=raw.files[0] if raw.files else None)
-        return Checked([], [], "unknown", fmt, None, len(raw.rows), {"exact-duplicate": 0}, None, sink, extra={})
+        return Checked([], [], "unknown", fmt, None, len(raw.rows), {"exact-duplicate": 0}, None, sink, extra={"report": report.to_dict()})
     shape = detect_shape(raw.rows, refs)
-    fmt, conversion = plan_format(shape, method, formats)
+    fmt, path = plan_format(shape, method, formats, needs_reference)
+    steps = [x for x in path if x != "preference-to-kto"]
+    unpair = "preference-to-kto" in path
+    # Each step knows the shape it produces; a row already past a step (a mixed file) skips it.
+    produces = {c["id"]: c["target"] for c in formats["conversions"]}
     spec = formats["formats"][fmt]
     keep_cols = set(spec["required_fields"]) | set(spec.get("optional_fields", []))
+    check_fmt = "preference" if unpair else fmt
+    conversational = {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "preference": ("prompt", "chosen", "rejected"),
+                      "kto": ("prompt", "completion"), "grpo": ("prompt",)}.get(check_fmt, ())
+    fill = dict(fill or {})
+    unfilled: dict[str, list[str]] = {}
 
     records: list[dict] = []
     origins: list[tuple[str, int | None, int]] = []
@@ -705,36 +583,63 @@ def check_records(
         if not isinstance(row, dict):
             sink.error("not-an-object", f"record is {_type(row)}, not an object with the format's columns", **at)
             continue
+        cx = C.Cx(sink, at, report)
+        if fill:
+            used: set[str] = set()
+            row = C.fill_placeholders(row, fill, used)
+            for k in used:
+                report.filled[k] += 1
+        if check_fmt != "vision":
+            row = C.norm_messages(row, cx)
         # Conversions first, so the checks below see the target format.
-        rshape = shape_of(row, refs)
-        if conversion == "sharegpt-to-messages" and rshape == "sharegpt":
-            row = _sharegpt_to_messages(row, at, sink, role_map)
-        elif conversion == "conversations-to-messages" and rshape == "conversations":
-            row = _conversations_to_messages(row)
-        elif conversion == "implicit-prompt-preference" and "prompt" not in row:
-            row = _extract_prompt(row, at, sink)
-        if row is None:
+        for step in steps:
+            rshape = shape_of(row, refs)
+            if rshape in (produces[step], check_fmt) or (step == "implicit-prompt-preference" and "prompt" in row):
+                continue
+            row = C.convert(row, step, cx, role_map)
+        if check_fmt != "vision":
+            for col in conversational:
+                if col in row:
+                    row[col] = C.weigh_turns(row[col], col, cx, "conversation" if col == "messages" else "prompt" if col == "prompt" else "answer")
+            if len(conversational) > 1:
+                row = C.coerce_pair(row, conversational, cx)
+            row = C.norm_tools(row, cx)
+        cx.flush()
+        if not cx.ok:
             continue
         # Pairs bound for KTO are checked as the pairs they are, then unpaired.
-        outs = _validate(row, "preference" if conversion == "preference-to-kto" else fmt, at, sink, roles, refs, raw, path_ok)
+        outs = _validate(row, check_fmt, at, sink, roles, refs, raw, path_ok, needs_reference)
         if outs is None:
             continue
         row, rf = outs
         if rf:
             ref_field = ref_field or rf
-        if conversion == "preference-to-kto":
+        if unpair:
             produced = [
-                {"prompt": row["prompt"], "completion": row["chosen"], "label": True},
-                {"prompt": row["prompt"], "completion": row["rejected"], "label": False},
+                {**{k: v for k, v in row.items() if k not in ("chosen", "rejected")}, "completion": row["chosen"], "label": True},
+                {**{k: v for k, v in row.items() if k not in ("chosen", "rejected")}, "completion": row["rejected"], "label": False},
             ]
         else:
             produced = [row]
-        for rec in produced:
-            if fmt != "grpo":
-                rec = {k: v for k, v in rec.items() if k in keep_cols}
+        if fmt != "grpo":
+            for rec in produced:
+                for k in rec:
+                    if k not in keep_cols:
+                        report.left_out[k] += 1
+            produced = [{k: v for k, v in rec.items() if k in keep_cols} for rec in produced]
+        pkeys = [record_key(rec) for rec in produced]
+        if not keep_placeholders and any("{{" in k for k in pkeys):
+            # The canonical JSON is built for the duplicate check anyway; braces in it can only sit inside strings.
+            found = [x for x in C.find_placeholders({k: v for k, v in row.items() if k != "tools"})]
+            for fld, names in found:
+                for n in names:
+                    unfilled.setdefault(n, []).append(f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}")
+                sink.error("placeholder", f"{', '.join('{{' + n + '}}' for n in names)} left unfilled", field=fld, **at)
+            if found:
+                continue
+        for rec, key in zip(produced, pkeys):
             if fmt == "kto":
                 labels[rec["label"]] += 1
-            key = record_key(rec)
             first = seen.get(key)
             if first is not None:
                 dropped["exact-duplicate"] += 1
@@ -755,17 +660,26 @@ def check_records(
     if dropped["exact-duplicate"] and share > rule["fail_above"]:
         sink.error("exact-duplicate", field=main_field(fmt), message=f"{dropped['exact-duplicate']} of {n_read} records ({share:.1%}) are exact duplicates, "
                    f"above the {rule['fail_above']:.0%} the skill allows ({', '.join(dup_where[:8])}{' and more' if len(dup_where) > 8 else ''})")
+    for name, where in unfilled.items():
+        # One line per placeholder with every place it was left, so a forgotten fill is fixed in one edit.
+        sink.error("placeholder", f"{{{{{name}}}}} is left unfilled in {len(where)} record(s) ({', '.join(where[:8])}"
+                   f"{f' and {len(where) - 8} more' if len(where) > 8 else ''}); add `fill: {name}=<text>` to the brief's "
+                   "## Dataset Expectation, or `placeholders: keep` if the braces are meant to be trained", field="placeholders")
+    for k in sorted(set(fill) - set(report.filled)):
+        sink.warn("fill-unused", f"the brief fills {{{{{k}}}}}, but no record holds it", field="fill")
     if fmt == "kto" and records and (labels[True] == 0 or labels[False] == 0):
         only = "desirable (true)" if labels[True] else "undesirable (false)"
         sink.warn("one-sided-labels", f"every label is {only}; KTO then pushes in one direction only", field="label")
     if not raw.rows and not sink.errors:
         sink.error("empty-field", "the source holds no records", file=raw.files[0] if raw.files else None)
-    return Checked(records, origins, shape, fmt, conversion, n_read, dropped, ref_field, sink,
-                   extra={"labels": labels if fmt == "kto" else None, "keys": keys})
+    conv_report = {"source_shape": shape, "steps": path, **report.to_dict(),
+                   "filled": {k: {"value": fill[k], "records": n} for k, n in report.filled.items()}}
+    return Checked(records, origins, shape, fmt, " → ".join(path) or None, n_read, dropped, ref_field, sink,
+                   extra={"labels": labels if fmt == "kto" else None, "keys": keys, "report": conv_report})
 
 
 def _validate(row: dict, fmt: str, at: dict, sink: Sink, roles: list[str], refs: list[str], raw: Raw,
-              path_ok: Callable[[Path], bool] | None) -> tuple[dict, str | None] | None:
+              path_ok: Callable[[Path], bool] | None, needs_reference: bool = True) -> tuple[dict, str | None] | None:
     v = _V(sink, roles, at, vision=(fmt == "vision"))
     rf = None
 
@@ -778,6 +692,11 @@ def _validate(row: dict, fmt: str, at: dict, sink: Sink, roles: list[str], refs:
     if fmt in ("messages", "vision") and "messages" in row or fmt == "messages":
         if need("messages"):
             v.turns(row["messages"], "messages", "conversation")
+            answers = [m for m in row["messages"] if isinstance(m, dict) and m.get("role") == "assistant"] if v.ok else []
+            if answers and all(m.get("weight", 1) == 0 for m in answers):
+                v.err("no-trained-tokens", "every assistant turn has weight 0, so nothing would be trained", "messages")
+    if fmt == "text" and need("text"):
+        v.text(row["text"], "text", "text")
     if fmt == "vision" and "messages" not in row:
         # prompt/completion vision rows
         if need("prompt") and need("completion"):
@@ -826,7 +745,8 @@ def _validate(row: dict, fmt: str, at: dict, sink: Sink, roles: list[str], refs:
                 v.text(p, "prompt", "prompt")
         rf = next((k for k in refs if k in row), None)
         if rf is None:
-            v.err("missing-field", f"no reference answer column (one of {', '.join(refs)})", refs[0])
+            if needs_reference:
+                v.err("missing-field", f"no reference answer column (one of {', '.join(refs)})", refs[0])
         else:
             val = row[rf]
             if isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val):
@@ -907,12 +827,14 @@ def trained_texts(rec: dict, fmt: str, ref_field: str | None = None) -> list[str
     if fmt == "grpo":
         v = rec.get(ref_field) if ref_field else None
         return [str(v)] if v is not None else []
+    if fmt == "text":
+        return [rec.get("text", "")]
     return []
 
 
 def full_text(rec: dict, fmt: str) -> str:
     parts: list[str] = []
-    for col in ("messages", "prompt", "completion", "chosen", "rejected"):
+    for col in ("messages", "prompt", "completion", "chosen", "rejected", "text"):
         if col in rec:
             parts += _turns_text(rec[col])
     return "\n".join(parts)

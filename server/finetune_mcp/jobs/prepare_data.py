@@ -39,15 +39,26 @@ def _progress(done: float, message: str, total: float = STAGES) -> None:
 
 
 def load_rows(src: dict, per_code: int) -> tuple[R.Raw, R.Sink]:
-    """Rows from any supported source. src: {"kind": "path", "path": ...} or {"kind": "hf", "id": ...}."""
+    """Rows from any supported source. src: {"kind": "path", "path": ...} or {"kind": "hf", "id", "config", "split", "hub"}.
+
+    A hub dataset is looked for, in order: built in the datasets cache (what datasets.load_dataset leaves), as files in
+    the hub cache (snapshot_download; a config's own subfolder when one is named), and then, when src["hub"] allows
+    it, downloaded from the hub by the very command the error would name."""
     if src["kind"] == "hf":
+        hf_id, config, split = src["id"], src.get("config"), src.get("split")
         try:
-            return _load_hf(src["id"], src.get("split")), R.Sink(per_code)
-        except JobError:
-            # Files fetched into the hub cache (snapshot_download) but never built by datasets: read them as a folder.
-            if src.get("snapshot"):
-                return load_rows({"kind": "path", "path": src["snapshot"]}, per_code)
-            raise
+            return _load_hf(hf_id, config, split), R.Sink(per_code)
+        except JobError as e:
+            if e.kind != "NotFound":
+                raise
+            snap = Path(src["snapshot"]) if src.get("snapshot") else None
+            if snap is not None and (not config or (snap / config).is_dir()):
+                return load_rows({"kind": "path", "path": str(snap / config) if config else str(snap)}, per_code)
+            if not src.get("hub"):
+                raise
+        _progress(0.5, f"downloading {hf_id} from the hub")
+        _download(hf_id, config, split)
+        return _load_hf(hf_id, config, split), R.Sink(per_code)
     path = Path(src["path"])
     kind, files, ignored = R.source_files(path)
     if kind == "text":
@@ -105,19 +116,51 @@ def _pick_split(ds, split: str | None, where: str):
     return ds
 
 
-def _load_hf(hf_id: str, split: str | None) -> R.Raw:
+def download_command(hf_id: str, config: str | None, split: str | None) -> str:
+    """The command that puts a hub dataset where an offline datasets.load_dataset finds it (the datasets cache)."""
+    args = ", ".join([repr(hf_id)] + ([repr(config)] if config else []) + ([f"split={split!r}"] if split else []))
+    return f'python -c "import datasets; datasets.load_dataset({args})"'
+
+
+def _download(hf_id: str, config: str | None, split: str | None) -> None:
+    """Run the download command with the hub allowed (this child was started offline: its libraries read the setting
+    at import), so the datasets cache then holds the build an offline load finds."""
+    import subprocess
+
+    code = "import sys, datasets; datasets.load_dataset(sys.argv[1], sys.argv[2] or None, split=sys.argv[3] or None)"
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}
+    try:
+        p = subprocess.run([sys.executable, "-c", code, hf_id, config or "", split or ""], env=env, capture_output=True, text=True, timeout=3600)
+    except subprocess.TimeoutExpired:
+        p = None
+    if p is None or p.returncode != 0:
+        tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1][:300] if p is not None else "timed out after an hour"
+        raise JobError(
+            f"dataset {hf_id!r}" + (f" (config {config!r})" if config else "") + f" is not in the local HF cache and could not be downloaded: {tail}",
+            kind="NotFound", where=hf_id,
+            fix=f"download it where the hub can be reached, with the same HF_HOME: {download_command(hf_id, config, split)}; "
+            "then call prepare_dataset again (or save the data to a file and pass its path)",
+        )
+
+
+def _load_hf(hf_id: str, config: str | None, split: str | None) -> R.Raw:
+    """datasets.load_dataset in this (offline) child: what the local datasets cache holds."""
     import datasets
 
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    named = f"{hf_id!r}" + (f" (config {config!r})" if config else "")
     try:
-        ds = datasets.load_dataset(hf_id)
+        ds = datasets.load_dataset(hf_id, config, split=split) if split else datasets.load_dataset(hf_id, config)
     except Exception as e:
+        msg = str(e).replace("\n", " ")[:300]
+        if isinstance(e, ValueError) and msg.startswith("Unknown split"):
+            raise JobError(f"dataset {named} has no split {split!r}: {msg}", kind="BadInput", where=hf_id,
+                           fix="name an existing split: org/name:split, or org/name:config:split") from None
         raise JobError(
-            f"dataset {hf_id!r} could not be loaded from the local HF cache: {type(e).__name__}: {str(e)[:300]}",
+            f"dataset {named} is not in the local HF cache ({type(e).__name__}: {msg})",
             kind="NotFound",
             where=hf_id,
-            fix=f"this server never downloads; on a machine with hub access run `datasets.load_dataset({hf_id!r})` with the same HF_HOME "
-            "and copy the cache here, or save the data to a file and pass its path",
+            fix=f"download it where the hub can be reached, with the same HF_HOME: {download_command(hf_id, config, split)}; "
+            "then call prepare_dataset again (or save the data to a file and pass its path)",
         ) from None
     ds = _pick_split(ds, split, hf_id)
     raw = R.Raw(files=[hf_id])
@@ -293,6 +336,11 @@ class Templater:
         if f in ("messages", "vision") and "messages" in rec:
             ids, labels = self.conversation(rec)
             return [("", ids, labels)]
+        if f == "text":
+            # Language modelling as SFTTrainer does it: EOS appended to the text, every token trained.
+            text = rec["text"] if not self.eos or rec["text"].endswith(self.eos) else rec["text"] + self.eos
+            ids = list(self._tokenize(self.tok, text)["input_ids"])
+            return [("", ids, list(ids))]
         if f in ("prompt-completion", "kto", "vision"):
             ids, labels, _ = self.prompt_completion(rec["prompt"], rec["completion"], rec)
             return [("", ids, labels)]
@@ -461,9 +509,58 @@ def collapse_metrics(trained: list[str], near_share: float, table: dict, seed: i
     }
 
 
-def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink) -> dict:
+def shared_phrase(texts: list[str], seed: int = 0, max_n: int = 12, sample: int = 1000, head: int = 64) -> tuple[str, float]:
+    """(phrase as written, share of texts holding it): the longest word n-gram that nearly as many texts hold as hold
+    the most shared word pair. Counted on a fixed sample of texts (their first `head` words); the share is exact."""
+    import random
+    import re
+
+    order = list(range(len(texts)))
+    random.Random(f"phrase:{seed}").shuffle(order)
+    tw = [R.words(texts[i])[:head] for i in order[:sample]]
+    best: dict[int, tuple[tuple, int]] = {}
+    for n in range(2, max_n + 1):
+        df: dict[tuple, int] = {}  # insertion order = first seen, which breaks ties the same way on every run
+        for w in tw:
+            for g in dict.fromkeys(tuple(w[j:j + n]) for j in range(len(w) - n + 1)):
+                df[g] = df.get(g, 0) + 1
+        if not df:
+            break
+        top = max(df.values())
+        best[n] = next((g, c) for g, c in df.items() if c == top)
+    if not best:
+        return "", 0.0
+    n = max(k for k, (_, c) in best.items() if c >= 0.8 * best[2][1])
+    pat = re.compile(r"(?<!\w)" + r"\W+".join(map(re.escape, best[n][0])) + r"(?!\w)", re.I)
+    hits = [m for m in map(pat.search, texts) if m]
+    return (hits[0].group(0) if hits else " ".join(best[n][0])), len(hits) / max(len(texts), 1)
+
+
+def what_repeats(trained: list[str], values: dict, near_example: str | None, seed: int) -> dict[str, str]:
+    """Per collapse metric, the words that say what repeats (the phrase, the opening, a near-copy pair, the length)."""
+    phrase, share = shared_phrase(trained, seed)
+    said = f"{share:.0%} of answers share the phrase {phrase!r}" if phrase else "the answers share no phrase"
+    sd = values["length-cv"] * values["_mean_words"]
+    return {
+        "distinct-1": said, "distinct-2": said,
+        "near-duplicate-share": f"{values['near-duplicate-share']:.0%} of records are near copies of an earlier one"
+        + (f" (e.g. {near_example})" if near_example else ""),
+        "length-cv": f"answers run {values['_mean_words']:.0f} ± {sd:.1f} words",
+        "top-opening-share": f"{values['top-opening-share']:.0%} of answers open with {values['_top_opening']!r} (e.g. {values.get('_top_where')})",
+    }
+
+
+UNSTATED = ("neither the brief nor the data says where the records came from, so the guard treats them as {}: if people wrote "
+            "or chose them on purpose, add `provenance: curated` to the brief's ## Dataset Expectation")
+
+
+def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink, provenance: str = "synthetic",
+                   repeats: dict[str, str] | None = None, stated: bool = True) -> dict:
+    """Verdict per metric. A fail bound breached by curated data (the collapse table's provenance rules) is reported
+    as a warning; every message names what repeats. stated: whether the brief or the data gave the provenance."""
     verdicts = {}
     gated = n_records < table["min_records"]
+    rule = table["provenance"][provenance]
     for name, bounds in table["metrics"].items():
         v = values[name]
         verdict = "ok"
@@ -478,11 +575,18 @@ def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink) -> d
             verdict, msg = "warn", f"{name} {v} is above {bounds['warn_above']}"
         elif all(bounds.get(k) is None for k in ("fail_below", "fail_above", "warn_below", "warn_above")):
             verdict = "info"
-        if name == "top-opening-share" and msg:
+        if msg and repeats and repeats.get(name):
+            msg += f": {repeats[name]}"
+        elif name == "top-opening-share" and msg:
             msg += f" (most common opening: {values['_top_opening']!r}, e.g. {values.get('_top_where')})"
         if verdict == "fail" and gated:
             verdict = "warn"
             msg += f"; not failing: fewer than {table['min_records']} records"
+        elif verdict == "fail" and rule["on_fail"] == "warning":
+            verdict = "warn"
+            msg += f"; reported, not failing: the data is {provenance}"
+        elif verdict == "fail" and not stated:
+            msg += "; " + UNSTATED.format(provenance)
         verdicts[name] = verdict
         if verdict == "fail":
             sink.error(f"collapse-{name}", f"collapse guard: {msg}", field="trained text")
@@ -496,13 +600,13 @@ def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink) -> d
 
 def _stats(xs: list[int]) -> dict:
     if not xs:
-        return {"min": 0, "p50": 0, "p90": 0, "p99": 0, "max": 0, "mean": 0.0}
+        return {"min": 0, "p50": 0, "p90": 0, "p95": 0, "p99": 0, "max": 0, "mean": 0.0}
     s = sorted(xs)
 
     def q(p: float) -> int:
         return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
 
-    return {"min": s[0], "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": s[-1], "mean": round(statistics.fmean(s), 2)}
+    return {"min": s[0], "p50": q(0.5), "p90": q(0.9), "p95": q(0.95), "p99": q(0.99), "max": s[-1], "mean": round(statistics.fmean(s), 2)}
 
 
 def _some(locs: list[str], n: int = 8) -> str:
@@ -534,9 +638,16 @@ def prepare(P: dict) -> dict:
     _progress(0, "reading the source")
     raw, sink = load_rows(P["source"], per_code)
     _progress(1, f"validating {len(raw.rows)} records")
-    checked = R.check_records(raw, sink, method=method, formats=formats, validation=validation, path_ok=path_ok)
+    checked = R.check_records(raw, sink, method=method, formats=formats, validation=validation, path_ok=path_ok,
+                              fill=P.get("fill"), keep_placeholders=bool(P.get("keep_placeholders")),
+                              needs_reference=P.get("needs_reference", True))
+    prov = P.get("provenance") or {}
+    provenance = prov.get("value") or collapse["provenance"]["default"]
+    if prov.get("conflict"):
+        sink.warn("provenance-conflict", prov["conflict"], field="provenance")
     base = {
         "shape": checked.shape, "format": checked.format, "conversion": checked.conversion,
+        "conversion_report": checked.extra.get("report"), "provenance": {**prov, "value": provenance, "stated": bool(prov.get("value"))},
         "files": raw.files, "ignored_files": raw.ignored, "reference_field": checked.reference_field,
         "counts": {"read": checked.read, "valid": len(checked.records) + checked.dropped["exact-duplicate"],
                    "dropped_exact_duplicates": checked.dropped["exact-duplicate"], "kept": len(checked.records)},
@@ -571,13 +682,22 @@ def prepare(P: dict) -> dict:
     near_share = n_near / max(len(records), 1)
     rule = validation["share_rules"]["near-duplicate"]
     if near_share > rule["fail_above"]:
-        sink.error("near-duplicate", field=R.main_field(fmt), message=f"{n_near} of {len(records)} records ({near_share:.1%}) are near copies, above the {rule['fail_above']:.0%} the skill allows ({_some(near_where)})")
+        said = f"{n_near} of {len(records)} records ({near_share:.1%}) are near copies, above the {rule['fail_above']:.0%} the skill allows ({_some(near_where)})"
+        if collapse["provenance"][provenance]["on_fail"] == "warning":
+            sink.warn("near-duplicate", field=R.main_field(fmt), message=f"{said}; reported, not failing: the data is {provenance}")
+        else:
+            sink.error("near-duplicate", field=R.main_field(fmt), message=said + ("" if prov.get("value") else "; " + UNSTATED.format(provenance)))
     trained_txt = ["\n".join(R.trained_texts(r, fmt, checked.reference_field)) for r in records]
     cvals = collapse_metrics(trained_txt, near_share, collapse, seed)
     cvals["_top_where"] = _some([_loc(origins, i) for i in cvals["_top_records"]], 5) + (
         f" and {int(cvals['top-opening-share'] * len(records)) - len(cvals['_top_records'])} more"
         if cvals["top-opening-share"] * len(records) > len(cvals["_top_records"]) else "")
-    cverdicts = judge_collapse(cvals, collapse, len(records), sink)
+    first_near = next(((j, i) for j, i in enumerate(match) if i is not None), None)
+    near_example = f"{_loc(origins, first_near[0])} ≈ {_loc(origins, first_near[1])}" if first_near else None
+    provisional = judge_collapse(cvals, collapse, len(records), R.Sink(), provenance)
+    # Naming what repeats costs a pass over the answers; only a reading worth reporting pays for it.
+    repeats = what_repeats(trained_txt, cvals, near_example, seed) if {"warn", "fail"} & set(provisional.values()) else None
+    cverdicts = judge_collapse(cvals, collapse, len(records), sink, provenance, repeats, stated=bool(prov.get("value")))
 
     # Split by content hash of each cluster's first record.
     keys = checked.extra.get("keys") or [R.record_key(r) for r in records]
@@ -664,6 +784,11 @@ def prepare(P: dict) -> dict:
         "tokens_cut": cut,
         "max_overflow": max(over_by) if over_by else 0,
     }
+    if P.get("max_seq_length_from") == "default":
+        tps = token_stats["tokens_per_sequence"]
+        sink.warn("max-seq-length-default", f"the brief states no max_seq_length, so the {method} recipe's default {seq_len} applies "
+                  f"({P.get('max_seq_length_cite')}); 99% of the templated records fit in {tps['p99']} tokens (the longest has {tps['max']}): "
+                  f"state `max_seq_length: {tps['p99']}` under ## Dataset Expectation to train at the data's own length", field="max_seq_length")
     template = {
         "source": tp.template_source, "sha256": tp.template_sha256, "generation_markers": tp.generation_markers,
         "stop_token_trained": tp.stop_token_trained, "assistant_only_loss": tp.assistant_only,
@@ -686,7 +811,7 @@ def prepare(P: dict) -> dict:
 
     # Pack the training split exactly as SFTTrainer does, then decode from what the collator hands the model.
     dec = validation["decoded_samples"]
-    packing = bool(P.get("packing")) and fmt in ("messages", "prompt-completion")
+    packing = bool(P.get("packing")) and fmt in ("messages", "prompt-completion", "text")
     pack_info = None
     decoded: list[str] = []
     if packing:
@@ -706,13 +831,17 @@ def prepare(P: dict) -> dict:
         # train.py renders and masks with exactly this template (and jobs/masking.py copied into it).
         (out / "chat_template.jinja").write_text(tp.masking["template"], encoding="utf-8")
         template["file"] = "chat_template.jinja"
-    trainer = _trainer_settings(fmt, method, seq_len, packing, checked.reference_field)
+    weighted = fmt == "messages" and any(m.get("weight") == 0 for r in records for m in r["messages"] if isinstance(m, dict))
+    trainer = _trainer_settings(fmt, method, seq_len, packing, checked.reference_field, weighted)
     meta = {
         "name": P.get("name"),
         "experiment": P.get("experiment"),
         "method": method,
         "format": fmt,
         "conversion": checked.conversion,
+        "conversion_report": checked.extra.get("report"),
+        "provenance": base["provenance"],
+        "max_seq_length_from": P.get("max_seq_length_from", "brief"),
         "source": P["source"],
         "source_files": raw.files,
         "source_sha256": R.file_digests([f for f in raw.files if Path(f).exists()]) if P["source"]["kind"] == "path" else {},
@@ -734,12 +863,18 @@ def prepare(P: dict) -> dict:
             "trainer_settings": trainer, "files_sha256": digests, "meta": "meta.json", **sink.to_dict()}
 
 
-def _trainer_settings(fmt: str, method: str, seq_len: int, packing: bool, ref: str | None) -> dict:
+def _trainer_settings(fmt: str, method: str, seq_len: int, packing: bool, ref: str | None, weighted: bool = False) -> dict:
     s: dict[str, Any] = {"max_length": seq_len}
     if method in ("sft-lora", "sft-qlora", "vlm-sft"):
         s.update(packing=packing, packing_strategy="bfd" if packing else None, padding_free=packing,
                  assistant_only_loss=fmt in ("messages", "vision"),
                  completion_only_loss=True if fmt == "prompt-completion" else None)
+        if fmt == "text":
+            s["dataset_text_field"] = "text"
+    if weighted:
+        # Assistant messages with "weight": 0 are context, not targets: jobs/masking.py (here, and copied into
+        # train.py) drops their spans; the flag says the records rely on it.
+        s["message_weights"] = True
     if method == "grpo":
         s["reference_field"] = ref
     return s

@@ -6,19 +6,21 @@ Stdlib only and free of side effects, so every phase can import it. The brief fo
     ## Task                 "<slug> — prose"                      (required)
     ## Base Model           embedded name, base-models/ folder, HF id in the cache, or a model folder's path in a data dir (required)
     ## Chosen Method        one of METHODS, aliases tolerated     (required)
-    ## Dataset Expectation  prose + "key: value" lines: format, max_seq_length, packing, examples (required)
+    ## Dataset Expectation  prose + "key: value" lines: format, max_seq_length, packing, examples,
+                         provenance, fill, placeholders, license (required; every key optional)
     ## Memory Budget        "4 GB", "96 GiB", "0.5 TB"              (required)
     ## Deployment Target    "<runtime> [(<format>)]"              (required)
     ## Evaluation           "key: value" lines                    (optional)
     ## Reward               reward function names                 (GRPO: required)
     ## Tracking             "report_to: <tracker>" [+ "project: <name>"] (optional; TRACKERS)
 
-Headings match whatever their case, spacing, punctuation and level (##, ###). Every problem is
-collected and raised as one BadInput that names each section and lists the accepted values.
+Headings match whatever their case, spacing, punctuation and level (##, ###); HTML comments
+(<!-- ... -->) are ignored. Every problem is collected and raised as one BadInput that names each
+section and lists the accepted values. templates/training-brief.md is a complete example.
 
 Public API (other phases depend on it): Brief, parse_brief(text, path), load_brief(path),
 load_experiment_brief(ws, experiment), METHODS, METHOD_LABELS, FORMATS, DEFAULT_FORMAT,
-RUNTIMES, DEPLOY_FORMATS, canonical_method(text), slugify(text).
+RUNTIMES, DEPLOY_FORMATS, PROVENANCES, canonical_method(text), slugify(text), example_brief().
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ _METHOD_ALIASES = {
 _ALIAS_TO_METHOD = {alias: m for m, aliases in _METHOD_ALIASES.items() for alias in aliases}
 
 # Dataset formats (the dataset-curation skill's format table names the fields of each).
-FORMATS = ("messages", "prompt-completion", "preference", "kto", "grpo", "vision")
+FORMATS = ("messages", "text", "prompt-completion", "preference", "kto", "grpo", "vision")
 _FORMAT_ALIASES = {
-    "messages": ("messages", "conversational", "conversation", "conversations", "chat", "chatml", "sharegpt"),
+    "messages": ("messages", "conversational", "conversation", "conversations", "chat", "chatml", "sharegpt", "openai", "alpaca"),
+    "text": ("text", "languagemodeling", "languagemodelling", "plaintext", "pretraining", "continuedpretraining", "raw"),
     "prompt-completion": ("promptcompletion", "prompt-completion", "completion", "instruction"),
     "preference": ("preference", "pairwise", "paired", "pairs", "chosenrejected", "promptchosenrejected", "dpo"),
     "kto": ("kto", "unpaired", "unpairedpreference", "promptcompletionlabel", "binary"),
@@ -86,8 +89,8 @@ DEFAULT_FORMAT = {
 # Formats a method can train on at all; the dataset-curation skill's table is the fuller statement
 # (which conversions apply), this only catches a brief that contradicts itself.
 METHOD_FORMATS = {
-    "sft-lora": ("messages", "prompt-completion"),
-    "sft-qlora": ("messages", "prompt-completion"),
+    "sft-lora": ("messages", "text", "prompt-completion"),
+    "sft-qlora": ("messages", "text", "prompt-completion"),
     "dpo": ("preference",),
     "orpo": ("preference",),
     "simpo": ("preference",),
@@ -99,6 +102,17 @@ METHOD_FORMATS = {
 # Experiment trackers a run can report to, each writing to a local store under the run's logs/.
 TRACKERS = ("tensorboard", "trackio", "mlflow", "wandb", "none")
 DEFAULT_TRACKER = "tensorboard"
+# Where the records came from; the collapse guard fails only synthetic (and mixed) sets, and warns on curated ones.
+PROVENANCES = ("synthetic", "curated", "mixed")
+_PROVENANCE_ALIASES = {
+    "synthetic": ("synthetic", "generated", "modelgenerated", "llmgenerated", "distilled", "machinegenerated"),
+    "curated": ("curated", "human", "humanwritten", "handwritten", "manual", "written", "handpicked", "collected"),
+    "mixed": ("mixed", "both", "partlysynthetic", "partsynthetic"),
+}
+_ALIAS_TO_PROVENANCE = {a: p for p, aliases in _PROVENANCE_ALIASES.items() for a in aliases}
+# What to do with {{name}} placeholders left in the records: refuse them (the default) or train them as written.
+PLACEHOLDER_POLICIES = ("fail", "keep")
+_FILL_PAIR = re.compile(r"""\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*("(?:[^"\\]|\\.)*"|'[^']*'|[^,]*)\s*(?:,|$)""")
 
 RUNTIMES = ("transformers", "vllm", "llama.cpp", "ollama")
 _RUNTIME_ALIASES = {
@@ -127,6 +141,7 @@ _SECTIONS = {
     "evaluation": ("evaluation", "eval", "evaluationcriteria", "gate", "successcriteria"),
     "reward": ("reward", "rewards", "rewardfunction", "rewardfunctions"),
     "tracking": ("tracking", "experimenttracking", "tracker", "reportto", "logging"),
+    "time_budget": ("timebudget", "time", "walltime", "timelimit", "deadline"),
 }
 _HEADING_TO_SECTION = {h: s for s, hs in _SECTIONS.items() for h in hs}
 SECTION_TITLES = {
@@ -139,6 +154,7 @@ SECTION_TITLES = {
     "evaluation": "Evaluation",
     "reward": "Reward",
     "tracking": "Tracking",
+    "time_budget": "Time Budget",
 }
 REQUIRED_SECTIONS = ("task", "base_model", "chosen_method", "dataset_expectation", "memory_budget", "deployment_target")
 
@@ -162,9 +178,9 @@ class Brief:
     method: str  # canonical id, one of METHODS
     method_label: str  # METHOD_LABELS[method], used in the experiment name
     dataset_format: str  # one of FORMATS (from dataset_expectation["format"], else DEFAULT_FORMAT)
-    max_seq_length: int
+    max_seq_length: int | None  # None: not stated; prepare_dataset takes the method recipe's default
     packing: bool
-    dataset_expectation: dict[str, Any]  # every key: value line, normalised; format/max_seq_length/packing/examples typed
+    dataset_expectation: dict[str, Any]  # every key: value line, normalised; format/max_seq_length/packing/examples/provenance/fill typed
     memory_budget_gb: float
     deployment_target: str  # raw first line
     deploy_runtime: str  # one of RUNTIMES
@@ -175,6 +191,7 @@ class Brief:
     tracking_project: str | None = None
     sections: dict[str, str] = field(default_factory=dict)  # canonical key (or the heading's own key) -> raw text
     defaults_applied: list[str] = field(default_factory=list)  # e.g. ["format: messages (default for sft-lora)"]
+    time_budget_s: float | None = None  # "## Time Budget" (optional): preflight warns when the expected wall time exceeds it
 
     @property
     def experiment(self) -> str:
@@ -186,6 +203,20 @@ class Brief:
     @property
     def examples(self) -> int | None:
         return self.dataset_expectation.get("examples")
+
+    @property
+    def provenance(self) -> str | None:
+        """synthetic | curated | mixed, or None when the brief does not say."""
+        return self.dataset_expectation.get("provenance")
+
+    @property
+    def fill(self) -> dict[str, str]:
+        """{{name}} placeholder -> the text that replaces it (the brief's `fill:` line)."""
+        return dict(self.dataset_expectation.get("fill") or {})
+
+    @property
+    def keep_placeholders(self) -> bool:
+        return self.dataset_expectation.get("placeholders") == "keep"
 
     @property
     def system_prompt(self) -> str | None:
@@ -309,6 +340,22 @@ def _kv_lines(text: str) -> dict[str, str]:
     return out
 
 
+def parse_fill(v: str) -> dict[str, str] | None:
+    """'name=Ada, author="Example Labs"' -> {"name": "Ada", "author": "Example Labs"}; None when it does not parse."""
+    out: dict[str, str] = {}
+    pos, v = 0, v.strip()
+    while pos < len(v):
+        m = _FILL_PAIR.match(v, pos)
+        if not m or m.end() == pos:
+            return None
+        key, val = m.group(1), m.group(2).strip()
+        if len(val) >= 2 and val[0] == val[-1] and val[0] in "\"'":
+            val = val[1:-1].replace('\\"', '"') if val[0] == '"' else val[1:-1]
+        out[key] = val
+        pos = m.end()
+    return out or None
+
+
 def _parse_bool(v: str) -> bool | None:
     k = _key(_lead(v)) or _key(v)
     if k in _TRUE:
@@ -339,6 +386,21 @@ def _parse_number(v: str) -> Any:
 
 
 _GB_UNITS = {"gb": 1.0, "g": 1.0, "gib": 1.073741824, "tb": 1000.0, "t": 1000.0, "tib": 1099.511627776, "mb": 0.001, "mib": 0.001048576}
+
+
+_DURATION_UNITS = {"s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "mins": 60, "minute": 60,
+                   "minutes": 60, "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400, "days": 86400}
+
+
+def parse_duration_s(text: str) -> float | None:
+    """Seconds in '2 h', '90 min', '1h30m', '1.5 hours', '45 minutes'; None when the text holds no duration."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]+)", text.lower())
+    total, seen = 0.0, False
+    for num, unit in parts:
+        if unit in _DURATION_UNITS:
+            total += float(num) * _DURATION_UNITS[unit]
+            seen = True
+    return total if seen else None
 
 
 def _parse_memory_gb(text: str) -> float | None:
@@ -394,6 +456,8 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
     path = str(path)
     if not isinstance(text, str) or not text.strip():
         raise BadInput("the training brief is empty", where=path, fix="write the sections " + ", ".join(f"## {SECTION_TITLES[s]}" for s in REQUIRED_SECTIONS))
+    # Comments carry notes for people (the example brief lists accepted values in them); never values.
+    text = re.sub(r"<!--.*?(?:-->|$)", "", text, flags=re.S)
     title, sections, _written = _split_sections(text)
     problems: list[str] = []
 
@@ -453,7 +517,7 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
     seq_key = next((k for k in _SEQ_KEYS if k in kv), None)
     if seq_key is None:
         if de_raw.strip():
-            problem("dataset_expectation", "no max_seq_length line", "max_seq_length: <tokens>, e.g. max_seq_length: 2048")
+            defaults.append("max_seq_length: not stated (prepare_dataset takes the method recipe's default and reports the data's p99)")
     else:
         seq = _parse_int(kv[seq_key])
         if seq is None or seq < 8 or seq > 1_048_576:
@@ -475,6 +539,27 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
         if n is None:
             problem("dataset_expectation", f"examples: {kv['examples']!r} is not a count", "a number such as ~2000")
         expectation["examples"] = n
+    prov_key = next((k for k in ("provenance", "origin", "data_origin", "data_provenance") if k in kv), None)
+    provenance = None
+    if prov_key:
+        provenance = _ALIAS_TO_PROVENANCE.get(_key(_lead(kv[prov_key]))) or _ALIAS_TO_PROVENANCE.get(_key(kv[prov_key]))
+        if provenance is None:
+            problem("dataset_expectation", f"{prov_key}: {kv[prov_key]!r} is not a provenance", "|".join(PROVENANCES))
+        if prov_key != "provenance":
+            expectation.pop(prov_key, None)
+    if "fill" in kv:
+        fill = parse_fill(kv["fill"])
+        if fill is None:
+            problem("dataset_expectation", f"fill: {kv['fill']!r} is not a list of name=value pairs",
+                    "fill: name=Ada, author=Example Labs (quote a value that holds a comma)")
+        expectation["fill"] = fill or {}
+    if "placeholders" in kv:
+        pol = _key(_lead(kv["placeholders"]))
+        pol = {"keep": "keep", "train": "keep", "leave": "keep", "fail": "fail", "refuse": "fail", "error": "fail"}.get(pol)
+        if pol is None:
+            problem("dataset_expectation", f"placeholders: {kv['placeholders']!r} is not a policy", "|".join(PLACEHOLDER_POLICIES))
+        expectation["placeholders"] = pol
+    expectation["provenance"] = provenance
     expectation["format"] = fmt
     expectation["max_seq_length"] = seq
     expectation["packing"] = packing
@@ -488,6 +573,14 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
         if mem is None or mem <= 0:
             problem("memory_budget", f"{_first_line(sections['memory_budget'])!r} is not an amount of memory", "a size such as '4 GB', '96 GiB' or '0.5 TB'")
             mem = None
+
+    # Time budget (optional)
+    time_budget = None
+    if sections.get("time_budget", "").strip():
+        time_budget = parse_duration_s(_first_line(sections["time_budget"]))
+        if not time_budget:
+            problem("time_budget", f"{_first_line(sections['time_budget'])!r} is not a duration", "a duration such as '2 h', '90 min' or '1h30m'")
+            time_budget = None
 
     # Deployment target
     dep_raw = _first_line(sections.get("deployment_target", ""))
@@ -558,6 +651,7 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
         tracking_project=tracking_project,
         sections=sections,
         defaults_applied=defaults,
+        time_budget_s=time_budget,
     )
 
 
@@ -578,6 +672,12 @@ def load_brief(path: str | Path) -> Brief:
 
 
 BRIEF_FILE = "training-brief.md"
+EXAMPLE_BRIEF = Path(__file__).resolve().parent.parent / "templates" / "training-brief.md"
+
+
+def example_brief() -> str:
+    """A complete brief with every section and, in comments, every accepted value (README and brief://example)."""
+    return EXAMPLE_BRIEF.read_text(encoding="utf-8")
 
 
 def load_experiment_brief(ws, experiment: str) -> Brief:

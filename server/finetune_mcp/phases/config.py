@@ -70,6 +70,17 @@ def recipe_params(skills, method: str) -> dict[str, Any]:
     return params
 
 
+def effective_max_seq_length(brief, skills) -> tuple[int, str, str]:
+    """(tokens, "brief" or "default", where it came from): the brief's max_seq_length, else the method recipe's default."""
+    if brief.max_seq_length:
+        return int(brief.max_seq_length), "brief", "brief ## Dataset Expectation (max_seq_length)"
+    p = recipe_params(skills, brief.method).get("max_seq_length")
+    if p is None or not p.default:
+        raise BadInput(f"the brief states no max_seq_length and the {brief.method} recipe has no default", where=brief.where("dataset_expectation"),
+                       fix="add max_seq_length: <tokens> under ## Dataset Expectation")
+    return int(p.default), "default", f"recipe default, {p.cite}"
+
+
 def key_owners(skills, key: str) -> list[str]:
     """The methods whose recipes have this key."""
     return [m for m in all_recipes(skills) if key in recipe_params(skills, m)]
@@ -186,6 +197,21 @@ def find_dataset(pc, experiment: str) -> tuple[Path, dict]:
     )
 
 
+def _masking_of(meta: dict) -> dict | None:
+    """The assistant-only masking prepare_dataset chose and checked for conversations (meta.json), or None."""
+    tpl = meta.get("chat_template")
+    return tpl.get("masking") if isinstance(tpl, dict) else None
+
+
+def effective_tokens(meta: dict, max_seq_length: int, packing: bool) -> int:
+    """Tokens per sequence at the peak: packed rows are full; otherwise a batch pads to its longest sequence, so
+    the dataset's longest templated sequence (capped at max_seq_length) is what the largest batch holds."""
+    longest = ((meta.get("tokens") or {}).get("tokens_per_sequence") or {}).get("max")
+    if packing or not longest:
+        return int(max_seq_length)
+    return int(min(int(longest), int(max_seq_length)))
+
+
 def _generation_markers(model_path: Path | None, meta: dict) -> bool | None:
     """Whether the chat template marks assistant turns for assistant_only_loss (the data phase records it)."""
     tpl = (meta.get("chat_template") or {}) if isinstance(meta.get("chat_template"), dict) else {}
@@ -241,10 +267,12 @@ def _qlora_allowed(brief, words: list[str]) -> bool:
     return any(w.lower() in text for w in words)
 
 
-def _estimate(model_info, method: str, values: dict, platform: str, mem_table) -> dict:
+def _estimate(model_info, method: str, values: dict, platform: str, mem_table, meta: dict | None = None) -> dict:
     est_method = "sft-qlora" if values.get("load_in_4bit") and method == "sft-lora" else method
+    seq = int(values.get("max_seq_length") or 2048)
     return memory.estimate(
-        model_info, est_method, int(values.get("max_seq_length") or 2048), platform, mem_table,
+        model_info, est_method, seq, platform, mem_table,
+        tokens_per_sequence=effective_tokens(meta or {}, seq, bool(values.get("packing"))),
         micro_batch_size=int(values.get("per_device_train_batch_size") or 1),
         lora_r=int(values.get("lora_r") or 16),
         lora_targets=[t.replace("_proj", "") for t in (values.get("target_modules") or ["q", "k", "v", "o", "gate", "up", "down"])],
@@ -252,7 +280,8 @@ def _estimate(model_info, method: str, values: dict, platform: str, mem_table) -
     )
 
 
-def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str, model_info, skills, notes: list[str]) -> dict | None:
+def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str, model_info, skills, notes: list[str],
+                  meta: dict | None = None) -> dict | None:
     """The memory-budget rules, in the table's order, until the estimate fits (lora-qlora-recipes#memory-budget)."""
     budget_gb = brief.memory_budget_gb
     rules = skills.table(SKILL, "rules").budget
@@ -261,7 +290,7 @@ def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str
     mem_table = skills.table("spark-preflight", "memory")
     limit = budget_gb * rules.headroom
     where = f"budget rule ({rules.cite}; {budget_gb:g} GB budget, {rules.headroom:.0%} headroom)"
-    est = _estimate(model_info, method, vals.value, platform, mem_table)
+    est = _estimate(model_info, method, vals.value, platform, mem_table, meta)
     for step in rules.order:
         if est["gb"]["total"] <= limit:
             break
@@ -274,7 +303,7 @@ def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str
                 if "gradient_accumulation_steps" in params:
                     g = int(vals.value.get("gradient_accumulation_steps") or 1)
                     vals.set("gradient_accumulation_steps", g * 2, where + f": accumulation {g} -> {g * 2}, same effective batch")
-                est = _estimate(model_info, method, vals.value, platform, mem_table)
+                est = _estimate(model_info, method, vals.value, platform, mem_table, meta)
             continue
         elif step == "qlora" and "load_in_4bit" in params and not vals.value.get("load_in_4bit"):
             if method not in rules.qlora_methods:
@@ -286,7 +315,7 @@ def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str
             vals.set("load_in_4bit", True, where + ": the brief allows QLoRA")
         else:
             continue
-        est = _estimate(model_info, method, vals.value, platform, mem_table)
+        est = _estimate(model_info, method, vals.value, platform, mem_table, meta)
     fits = est["gb"]["total"] <= limit
     if not fits:
         notes.append(f"estimated {est['gb']['total']:.2f} GB exceeds {rules.headroom:.0%} of the {budget_gb:g} GB budget after every budget rule; "
@@ -544,7 +573,8 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
     ctx = {
         "platform": platform, "method": method, "backend": chosen, "model": brief.base_model,
         "bf16": _bf16(report), "bitsandbytes": _import_ok(report, "bitsandbytes"),
-        "generation_template": _generation_markers(model_ref_path, meta),
+        # A masking way prepare_dataset verified works as well as {% generation %} markers (jobs/masking.py).
+        "generation_template": True if _masking_of(meta) else _generation_markers(model_ref_path, meta),
         "format": meta.get("format") or brief.dataset_format,
     }
     applied_rules = []
@@ -556,8 +586,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
             vals.set(k, rule.set[k], f"{rule.kind} rule {rule.id} ({rule.cite})")
         if touched:
             applied_rules.append(rule)
-    masked = ((meta.get("chat_template") or {}).get("masking") if isinstance(meta.get("chat_template"), dict) else None)
-    if (ctx["generation_template"] is False and not masked and "assistant_only_loss" in params
+    if (ctx["generation_template"] is False and "assistant_only_loss" in params
             and meta.get("format", brief.dataset_format) == "messages"):
         warnings.append("the model's chat template has no {% generation %} markers: the loss covers prompt tokens too")
     # 4. memory budget
@@ -565,7 +594,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
     pc.progress(1, 4, "fitting the memory budget")
     mem = None
     try:
-        mem = _apply_budget(vals, params, brief, method, platform, model_info, skills, budget_notes)
+        mem = _apply_budget(vals, params, brief, method, platform, model_info, skills, budget_notes, meta)
     except FtError as e:  # an unusual config.json: the preflight's memory check reports the same problem
         budget_notes.append(f"no memory estimate: {e.message}")
     # 5. overrides
@@ -596,7 +625,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         "format": meta.get("format") or brief.dataset_format,
         "reference_field": meta.get("reference_field") if method == "grpo" else None,
     }
-    mk = (meta.get("chat_template") or {}).get("masking") if isinstance(meta.get("chat_template"), dict) else None
+    mk = _masking_of(meta)
     if mk and data["format"] == "messages":
         # How prepare_dataset made assistant-only loss work on this template; train.py masks the same way.
         data["masking"] = {"method": mk["method"], "plan": mk["plan"], "template_file": meta["chat_template"].get("file", "chat_template.jinja"),

@@ -20,13 +20,15 @@ from typing import Any
 from finetune_mcp import schemas as S
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.errors import BadInput, Forbidden, FtError, NotFound, from_dict
-from finetune_mcp.jobs import _records as R
+from finetune_mcp.jobs import _convert as C, _records as R
 from finetune_mcp.jobs._proto import JobError
 from finetune_mcp.phases.brief import BRIEF_FILE, Brief, load_brief
 from finetune_mcp.workspace import commit, utc_now
 
 SKILL = "dataset-curation"
-_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9_.-]+)?$")
+# org/name, org/name:split, or org/name:config:split (org/name:config: for a config's default split).
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9_.-]*){0,2}$")
+_HF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DATA_EXTS = set(R.TEXT_EXTS) | set(R.ARROW_EXTS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,119}$")
 # Overall progress: brief and light pass, then the worker's seven stages, then the write-up.
@@ -73,7 +75,7 @@ def hf_dataset_cached(hf_id: str) -> dict[str, Path]:
 
 
 def resolve_source(pc: PhaseContext, source: Any) -> dict:
-    """{"kind": "path", "path": real} or {"kind": "hf", "id": ..., "split": ...}."""
+    """{"kind": "path", "path": real} or {"kind": "hf", "id": ..., "config": ..., "split": ...}."""
     if not isinstance(source, str) or not source.strip():
         raise BadInput("source is empty", where="source", fix="pass a data file or folder, a save_to_disk folder, or an HF dataset id")
     s = source.strip()
@@ -94,19 +96,17 @@ def resolve_source(pc: PhaseContext, source: Any) -> dict:
             hf = s
         else:
             raise NotFound(f"source {source!r} not found", where=str(real) if real else source,
-                           fix="pass an existing file or folder (relative paths are taken from DGX_SPARK_ROOT), or an HF dataset id org/name")
-    hf_id, _, split = hf.partition(":")
-    if not _HF_ID.match(hf_id):
-        raise BadInput(f"{hf!r} is not an HF dataset id", where="source", fix="write it as org/name, optionally org/name:split")
+                           fix="pass an existing file or folder (relative paths are taken from DGX_SPARK_ROOT), or an HF dataset id org/name[:config]:split")
+    parts = hf.split(":")
+    hf_id = parts[0]
+    config, split = (parts[1] or None, parts[2] or None) if len(parts) == 3 else (None, (parts[1] or None) if len(parts) == 2 else None)
+    if not _HF_NAME.match(hf_id) or len(parts) > 3:
+        raise BadInput(f"{hf!r} is not an HF dataset id", where="source", fix="write it as org/name, org/name:split or org/name:config:split")
+    # Loaded in the worker by datasets.load_dataset: from the local cache, or from the hub when it can be reached.
+    # The worker runs offline; it may fetch a missing dataset from the hub unless the user set offline mode here.
+    offline = any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    out = {"kind": "hf", "id": hf_id, "config": config, "split": split, "hub": not offline, "given": source}
     cached = hf_dataset_cached(hf_id)
-    if not cached:
-        raise NotFound(
-            f"source {source!r} is neither a local path nor a dataset in the local HF cache; this server never downloads",
-            where="source",
-            fix=f"on a machine with hub access run datasets.load_dataset({hf_id!r}) with the same HF_HOME and copy the cache here, "
-            "or save the data to a JSONL/Parquet file under DGX_SPARK_ROOT and pass its path",
-        )
-    out = {"kind": "hf", "id": hf_id, "split": split or None, "given": source}
     if "snapshot" in cached:
         out["snapshot"] = str(cached["snapshot"])
     return out
@@ -136,6 +136,7 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
     from finetune_mcp.models import resolve_base_model
 
     model = resolve_base_model(brief.base_model, pc.ws.base_models_dir, data_dirs=pc.guard.read_roots)
+    data = data_settings(pc, brief, src)
 
     # Light pass: plain-text sources are read and checked here, so bad records never cost a child start.
     light = None
@@ -146,7 +147,8 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
                 pc.progress(0.5, _TOTAL, "reading and validating the records")
                 raw, sink = R.read_text_source(Path(src["path"]), tables["validation"]["listed_per_code"])
                 checked = R.check_records(raw, sink, method=brief.method, formats=tables["formats"], validation=tables["validation"],
-                                          path_ok=_path_ok(pc))
+                                          path_ok=_path_ok(pc), fill=data["fill"], keep_placeholders=data["keep_placeholders"],
+                                          needs_reference=data["needs_reference"])
                 light = {"checked": checked, "raw": raw}
                 if len(checked.records) < tables["validation"]["min_examples"] and not sink.errors:
                     sink.error("too-few-records", f"{len(checked.records)} usable records; the skill asks for at least {tables['validation']['min_examples']}")
@@ -161,10 +163,11 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
     if light is not None and light["checked"].sink.errors:
         c = light["checked"]
         job = {"ok": False, "stage": "validation", "shape": c.shape, "format": c.format, "conversion": c.conversion,
+               "conversion_report": c.extra.get("report"),
                "files": light["raw"].files, "ignored_files": light["raw"].ignored,
                "counts": {"read": c.read, "kept": len(c.records), "dropped_exact_duplicates": c.dropped["exact-duplicate"]},
                **c.sink.to_dict()}
-        return _finish(pc, brief, exp_dir, name, final_dir, src, model, job, tables, eval_fraction)
+        return _finish(pc, brief, exp_dir, name, final_dir, src, model, job, tables, eval_fraction, data)
 
     if model.embedded and not model.exists:
         from finetune_mcp.worker import run_job
@@ -172,8 +175,81 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
         pc.progress(1, _TOTAL, f"building the embedded base model {model.name}")
         pc.guard.check_write(model.path, "base model")
         run_job("build_tiny_model", {"target_dir": str(model.path), "seed": 0}, timeout=900)
-    job = _run_prepare(pc, brief, src, model, name, final_dir, tables, eval_fraction)
-    return _finish(pc, brief, exp_dir, name, final_dir, src, model, job, tables, eval_fraction)
+    job = _run_prepare(pc, brief, src, model, name, final_dir, tables, eval_fraction, data)
+    return _finish(pc, brief, exp_dir, name, final_dir, src, model, job, tables, eval_fraction, data)
+
+
+def data_settings(pc: PhaseContext, brief: Brief, src: dict) -> dict:
+    """What the brief (and the data's own card) decide about preparing the records, resolved once for the light
+    pass, the worker job and the card: the sequence length, placeholders, the provenance, GRPO's reference column."""
+    from finetune_mcp.phases.config import effective_max_seq_length
+
+    seq, seq_from, seq_cite = effective_max_seq_length(brief, pc.skills)
+    needs_reference = True
+    if brief.method == "grpo":
+        rewards = pc.skills.table("grpo-rlvr-training", "rewards").rewards
+        needs_reference = any(rewards[r].needs for r in brief.reward if r in rewards)
+    return {"max_seq_length": seq, "max_seq_length_from": seq_from, "max_seq_length_cite": seq_cite,
+            "fill": brief.fill, "keep_placeholders": brief.keep_placeholders, "needs_reference": needs_reference,
+            "provenance": provenance_of(brief, src)}
+
+
+_STRICTNESS = {"curated": 0, "mixed": 1, "synthetic": 2}
+
+
+def provenance_of(brief: Brief, src: dict) -> dict:
+    """{"value", "from", "conflict"}: the brief's provenance line and the data's own card; on disagreement the stricter."""
+    said = [(brief.provenance, "the brief's ## Dataset Expectation")] if brief.provenance else []
+    d, where = _card_provenance(src)
+    if d:
+        said.append((d, where))
+    if not said:
+        return {"value": None, "from": None, "conflict": None}
+    value, frm = max(said, key=lambda x: _STRICTNESS[x[0]])
+    conflict = None
+    if len({v for v, _ in said}) > 1:
+        conflict = " and ".join(f"{w} says {v}" for v, w in said) + f": the stricter, {value}, applies"
+    return {"value": value, "from": frm, "conflict": conflict}
+
+
+def _card_cands(src: dict) -> list[Path]:
+    """Files beside the source that may carry its card or license: README.md, LICENSE and the like."""
+    if src["kind"] == "hf":
+        cached = hf_dataset_cached(src["id"])
+        return [p for d in cached.values() for p in sorted(d.rglob("README.md"))[:3]]
+    p = Path(src["path"])
+    base = p if p.is_dir() else p.parent
+    return [base / n for n in ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt", "DATASET_LICENSE")]
+
+
+def _card_provenance(src: dict) -> tuple[str | None, str | None]:
+    """A dataset card's own word on provenance: a `provenance:` key in its YAML front matter, or a `synthetic` tag
+    (the tag the HF hub gives generated sets)."""
+    import yaml
+
+    for c in _card_cands(src):
+        if c.name != "README.md":
+            continue
+        try:
+            text = c.read_text(encoding="utf-8", errors="replace")[:20000]
+        except OSError:
+            continue
+        m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
+        if not m:
+            continue
+        try:
+            meta = yaml.safe_load(m.group(1)) or {}
+        except yaml.YAMLError:
+            continue
+        if not isinstance(meta, dict):
+            continue
+        value = str(meta.get("provenance") or "").strip().lower()
+        if value in _STRICTNESS:
+            return value, f"the dataset card {c}"
+        tags = meta.get("tags") or []
+        if isinstance(tags, list) and "synthetic" in [str(t).strip().lower() for t in tags]:
+            return "synthetic", f"the dataset card {c} (tag synthetic)"
+    return None, None
 
 
 def _monotonic(pc: PhaseContext) -> PhaseContext:
@@ -230,13 +306,14 @@ def _open_experiment(pc: PhaseContext, exp_dir: Path, brief: Brief, brief_text: 
     commit(pc.ws.experiments_repo, [exp_dir / BRIEF_FILE, readme], f"prepare_dataset: open {exp_dir.name} from its brief")
 
 
-def _run_prepare(pc: PhaseContext, brief: Brief, src: dict, model, name: str, final_dir: Path, tables: dict, eval_fraction: float) -> dict:
+def _run_prepare(pc: PhaseContext, brief: Brief, src: dict, model, name: str, final_dir: Path, tables: dict, eval_fraction: float,
+                 data: dict) -> dict:
     from finetune_mcp.worker import run_job
 
     datasets_dir = final_dir.parent
     datasets_dir.mkdir(parents=True, exist_ok=True)
     stage = pc.guard.check_write(datasets_dir / f".staging-{name}-{uuid.uuid4().hex[:8]}", "staging")
-    params = _job_params(brief, src, model, name, tables, eval_fraction, [str(r) for r in pc.guard.read_roots])
+    params = _job_params(brief, src, model, name, tables, eval_fraction, [str(r) for r in pc.guard.read_roots], data)
     params["out_dir"] = str(stage)
 
     def progress(done, total, message):
@@ -261,14 +338,20 @@ def _size_hint(src: dict) -> int:
         return 0
 
 
-def _job_params(brief: Brief, src: dict, model, name: str, tables: dict, eval_fraction: float, roots: list[str]) -> dict:
+def _job_params(brief: Brief, src: dict, model, name: str, tables: dict, eval_fraction: float, roots: list[str], data: dict) -> dict:
     return {
         "name": name,
         "experiment": brief.experiment,
         "source": {k: v for k, v in src.items() if k != "given"},
         "model_path": model.load_path,
         "method": brief.method,
-        "max_seq_length": brief.max_seq_length,
+        "max_seq_length": data["max_seq_length"],
+        "max_seq_length_from": data["max_seq_length_from"],
+        "max_seq_length_cite": data["max_seq_length_cite"],
+        "fill": data["fill"],
+        "keep_placeholders": data["keep_placeholders"],
+        "needs_reference": data["needs_reference"],
+        "provenance": data["provenance"],
         "packing": brief.packing,
         "system_prompt": brief.system_prompt,
         "eval_fraction": float(eval_fraction),
@@ -298,10 +381,10 @@ def _install(stage: Path, final_dir: Path) -> None:
 
 
 def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir: Path, src: dict, model, job: dict,
-            tables: dict, eval_fraction: float) -> S.PrepareDatasetResult:
+            tables: dict, eval_fraction: float, data: dict) -> S.PrepareDatasetResult:
     ok = bool(job.get("ok"))
     stage = job.pop("_stage_dir", None)
-    params = job.pop("_params", None) or _job_params(brief, src, model, name, tables, eval_fraction, [])
+    params = job.pop("_params", None) or _job_params(brief, src, model, name, tables, eval_fraction, [], data)
     pc.progress(8.5, _TOTAL, "writing the dataset card and the validation report")
     now = utc_now()
     data_dir = exp_dir / "data"
@@ -315,9 +398,9 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
     try:
         if ok:
             _install(Path(stage), final_dir)
-        card_text = _card(brief, name, final_dir, src, model, job, tables, eval_fraction, now) if ok else None
+        card_text = _card(brief, name, final_dir, src, model, job, tables, eval_fraction, now, data) if ok else None
         card_ok = bool(card_text) and all(f"## {f['title']}" in card_text for f in tables["card"]["card_fields"])
-        pc.guard.write_text(report_path, _report(brief, name, final_dir, src, job, tables, now))
+        pc.guard.write_text(report_path, _report(brief, name, final_dir, src, job, tables, now, data))
         written.append(report_path)
         if ok:
             pc.guard.write_text(card_path, card_text)
@@ -329,9 +412,9 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
         if stage and Path(stage).exists():
             shutil.rmtree(stage, ignore_errors=True)
         raise
-    checklist = _checklist(brief, job, tables, final_dir if ok else None, card_ok if ok else False, commit_id)
+    checklist = _checklist(brief, job, tables, final_dir if ok else None, card_ok if ok else False, commit_id, data)
     complete = ok and all(c.ok for c in checklist)
-    cites = [pc.skills.cite(SKILL, a) for a in ("format-table", "validation-thresholds", "chat-template", "loss-masking",
+    cites = [pc.skills.cite(SKILL, a) for a in ("format-table", "conversions", "placeholders", "validation-thresholds", "chat-template", "loss-masking",
                                                 "packing", "collapse-guard", "dataset-card", "phase-2-exit-checklist")]
     counts = {k: v for k, v in (job.get("counts") or {}).items() if isinstance(v, int)}
     n_err = sum(c["error"] for c in (job.get("problem_counts") or {}).values())
@@ -355,6 +438,10 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
         method=brief.method,
         format=job.get("format") or brief.dataset_format,
         converted_from=job.get("shape") if job.get("conversion") else None,
+        conversion=job.get("conversion_report"),
+        max_seq_length=data["max_seq_length"],
+        provenance=(job.get("provenance") or {}).get("value") or (data["provenance"] or {}).get("value"),
+        tokens=job.get("tokens"),
         dataset_dir=str(final_dir) if ok else None,
         counts=counts,
         problems=problems,
@@ -368,6 +455,42 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
     )
     pc.progress(_TOTAL, _TOTAL, "done")
     return res
+
+
+def conversion_lines(job: dict, tables: dict) -> list[str]:
+    """The card's account of a conversion: the source shape and where it is defined, each step with its rule, what
+    the steps did (counted in records), and what was dropped (the content: nothing; unused columns: named)."""
+    rep = job.get("conversion_report") or {}
+    shape = job.get("shape")
+    spec = (tables["formats"].get("shapes") or {}).get(shape) or {}
+    convs = {c["id"]: c for c in tables["formats"]["conversions"]}
+    L = [f"- Source format: {shape}" + (f" ({', '.join(spec['fields'])}), as defined by {spec['origin']}" if spec else "")]
+    steps = rep.get("steps") or ([job["conversion"]] if job.get("conversion") else [])
+    if not steps:
+        L.append("- Conversion: none; the records are already in the trainer's format")
+    for st in steps:
+        c = convs.get(st, {})
+        L.append(f"- Conversion {st}: {c.get('how', '')} (rule: {c.get('cite', 'see the skill')})"
+                 + (f"; trained: {c['trained']}" if c.get("trained") else ""))
+    for text, n in sorted((rep.get("notes") or {}).items(), key=lambda kv: (-kv[1], kv[0])):
+        L.append(f"  - {text}: {n} records")
+    for key, f in sorted((rep.get("filled") or {}).items()):
+        L.append(f"- Placeholder {{{{{key}}}}} filled with {f['value']!r} (the brief's `fill:`) in {f['records']} records")
+    w = rep.get("message_weights") or {}
+    if w:
+        L.append(f"- Per-message weights kept on the assistant messages: {', '.join(f'{k} on {v}' for k, v in sorted(w.items()))}"
+                 + ("; weight 0 messages are context, not trained (meta.json trainer_settings.message_weights)" if w.get("weight 0") else ""))
+    left = rep.get("left_out_columns") or {}
+    L.append("- Dropped from the records' content: nothing"
+             + (f". Columns the trainer does not read, left out of train.jsonl: {', '.join(f'{k} ({v} records)' for k, v in sorted(left.items()))}" if left else ""))
+    return L
+
+
+def seq_said(data: dict) -> str:
+    """The sequence length and where it came from, for people: "64 (brief)" or "2048 (recipe default, ...; not in the brief)"."""
+    if data["max_seq_length_from"] == "brief":
+        return f"{data['max_seq_length']} (brief)"
+    return f"{data['max_seq_length']} ({data['max_seq_length_cite']}; the brief states none)"
 
 
 def _masking_lines(mk: dict | None) -> list[str]:
@@ -404,7 +527,7 @@ def _where(p) -> str:
     return loc.strip() or "dataset"
 
 
-def _checklist(brief: Brief, job: dict, tables: dict, final_dir: Path | None, card_ok: bool, commit_id: str) -> list[S.ChecklistItem]:
+def _checklist(brief: Brief, job: dict, tables: dict, final_dir: Path | None, card_ok: bool, commit_id: str, data: dict) -> list[S.ChecklistItem]:
     items = {i["id"]: i["item"] for i in tables["card"]["exit_checklist"]}
     ok = bool(job.get("ok"))
     pc_counts = job.get("problem_counts") or {}
@@ -420,7 +543,7 @@ def _checklist(brief: Brief, job: dict, tables: dict, final_dir: Path | None, ca
     def add(i: str, good: bool, evidence: str) -> None:
         out.append(S.ChecklistItem(item=f"{i}: {items[i]}", ok=bool(good), evidence=evidence))
 
-    add("brief-read", True, f"method {brief.method_label} ({brief.method}); format {brief.dataset_format}; max_seq_length {brief.max_seq_length}; "
+    add("brief-read", True, f"method {brief.method_label} ({brief.method}); format {brief.dataset_format}; max_seq_length {seq_said(data)}; "
         f"packing {str(brief.packing).lower()}" + (f"; defaults: {', '.join(brief.defaults_applied)}" if brief.defaults_applied else ""))
     fits = fmt in [n for n, s in tables["formats"]["formats"].items() if brief.method in s["methods"]]
     add("format-fits-method", bool(fmt) and fits,
@@ -451,7 +574,7 @@ def _checklist(brief: Brief, job: dict, tables: dict, final_dir: Path | None, ca
         else:
             add("packing-inspected", True, f"packing off in the brief; {len(job.get('decoded_samples') or [])} templated examples decoded with trained spans marked")
         add("lengths-fit", "too-long" not in errors,
-            f"{tok.get('over_max_seq_length', 0)} records over {brief.max_seq_length} tokens ({tok.get('over_share', 0):.1%}), "
+            f"{tok.get('over_max_seq_length', 0)} records over {data['max_seq_length']} tokens ({tok.get('over_share', 0):.1%}), "
             f"{tok.get('tokens_cut', 0)} tokens cut; longest {((tok.get('tokens_per_sequence') or {}).get('max'))}")
         vals = col.get("values") or {}
         add("collapse-guard", "fail" not in (col.get("verdicts") or {}).values(),
@@ -473,12 +596,12 @@ def _fence(text: str) -> str:
     return "````text\n" + text.replace("````", "` ` ` `") + "\n````"
 
 
-def _report(brief: Brief, name: str, final_dir: Path, src: dict, job: dict, tables: dict, now: str) -> str:
+def _report(brief: Brief, name: str, final_dir: Path, src: dict, job: dict, tables: dict, now: str, data: dict) -> str:
     ok = bool(job.get("ok"))
     counts = job.get("counts") or {}
     L = [f"# Validation report: {name}", "",
          f"- Prepared: {now} by finetune-mcp prepare_dataset",
-         f"- Brief: {brief.path} — method {brief.method_label}, max_seq_length {brief.max_seq_length}, packing {str(brief.packing).lower()}",
+         f"- Brief: {brief.path} — method {brief.method_label}, max_seq_length {seq_said(data)}, packing {str(brief.packing).lower()}",
          f"- Source: {src.get('given') or src.get('path') or src.get('id')}",
          f"- Verdict: {'PASSED — written to ' + str(final_dir) if ok else 'FAILED in the ' + str(job.get('stage')) + ' stage — nothing written to datasets/'}",
          f"- Format: detected {job.get('shape')}" + (f", converted by {job['conversion']}" if job.get("conversion") else "") + f" → {job.get('format')}",
@@ -505,12 +628,13 @@ def _report(brief: Brief, name: str, final_dir: Path, src: dict, job: dict, tabl
         return "\n".join(L)
     tok = job.get("tokens") or {}
     tpl = job.get("template") or {}
-    L += ["## Token lengths", "", "| measure | min | p50 | p90 | p99 | max | mean |", "|---|---|---|---|---|---|---|"]
+    L += ["## Conversion", "", *conversion_lines(job, tables), ""]
+    L += ["## Token lengths", "", "| measure | min | p50 | p90 | p95 | p99 | max | mean |", "|---|---|---|---|---|---|---|---|"]
     for label, key in (("tokens per sequence", "tokens_per_sequence"), ("trained tokens per sequence", "trained_tokens_per_sequence")):
         s = tok.get(key)
         if s:
-            L.append(f"| {label} | {s['min']} | {s['p50']} | {s['p90']} | {s['p99']} | {s['max']} | {s['mean']} |")
-    L += ["", f"Over max_seq_length {brief.max_seq_length}: {tok.get('over_max_seq_length', 0)} records ({tok.get('over_share', 0):.1%}), "
+            L.append(f"| {label} | {s['min']} | {s['p50']} | {s['p90']} | {s.get('p95')} | {s['p99']} | {s['max']} | {s['mean']} |")
+    L += ["", f"Over max_seq_length {data['max_seq_length']}: {tok.get('over_max_seq_length', 0)} records ({tok.get('over_share', 0):.1%}), "
           f"{tok.get('tokens_cut', 0)} tokens would be cut (at most {tok.get('max_overflow', 0)} from one record).", "",
           "## Chat template and loss mask", "",
           f"- Template: {tpl.get('source')} (sha256 {tpl.get('sha256')}), applied to each example on its own before any packing.",
@@ -551,7 +675,8 @@ def _report(brief: Brief, name: str, final_dir: Path, src: dict, job: dict, tabl
     return "\n".join(L)
 
 
-def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict, tables: dict, eval_fraction: float, now: str) -> str:
+def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict, tables: dict, eval_fraction: float, now: str,
+          data: dict) -> str:
     fields = {f["key"]: f["title"] for f in tables["card"]["card_fields"]}
     counts = job.get("counts") or {}
     tok = job.get("tokens") or {}
@@ -571,8 +696,13 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
     if license_text is None:
         risks.append("No license was found with the source (no LICENSE file beside it, no license in a dataset card or in the brief): "
                      "check the terms before sharing the model.")
+    prov = job.get("provenance") or data.get("provenance") or {}
+    if prov.get("value"):
+        rule = tables["collapse"]["provenance"][prov["value"]]
+        risks.append(f"Provenance: {prov['value']}" + (f" ({'stated by ' + prov['from'] if prov.get('stated', True) and prov.get('from') else 'not stated; the default'})")
+                     + f": the collapse guard's fail bounds {'fail the set' if rule['on_fail'] == 'error' else 'are reported as warnings'}.")
     for p in job.get("problems") or []:
-        if p["severity"] == "warning" and p["code"].startswith("collapse-"):
+        if p["severity"] == "warning" and p["code"].startswith(("collapse-", "provenance-", "fill-")):
             risks.append(p["message"] + ".")
     pcounts = job.get("problem_counts") or {}
     for code, label in (("exact-duplicate", "exact duplicates dropped"), ("near-duplicate", "near duplicates kept (each cluster in one split)"),
@@ -591,11 +721,13 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
     L = [f"# Dataset card: {name}", "", f"Prepared {now} by finetune-mcp prepare_dataset for experiment {brief.experiment}. "
          f"Files: {final_dir}/train.jsonl, eval.jsonl, meta.json. Rebuild with `python data/prepare.py`.", ""]
     L += [f"## {fields['source-and-license']}", "",
-          f"- Source: {src.get('given') or src.get('path') or src.get('id')}" + (f" (HF dataset, local cache)" if src["kind"] == "hf" else ""),
+          f"- Source: {src.get('given') or src.get('path') or src.get('id')}"
+          + (f" (HF dataset {src['id']}" + (f", config {src['config']}" if src.get("config") else "") + (f", split {src['split']}" if src.get("split") else "")
+             + ", loaded by datasets.load_dataset)" if src["kind"] == "hf" else ""),
           *(f"- {Path(f).name}: sha256 {d}" for f, d in (meta.get("source_sha256") or {}).items()),
           f"- License: {license_text + ' (' + license_src + ')' if license_text else 'not stated by the source'}", ""]
     L += [f"## {fields['format-and-method-fit']}", "",
-          f"- Detected shape: {job.get('shape')}" + (f"; converted losslessly by {job['conversion']}" if job.get("conversion") else "; used as is"),
+          *conversion_lines(job, tables),
           f"- Format: {job.get('format')} — required columns {', '.join(spec.get('required_fields', []))}",
           f"- Chosen method: {brief.method_label}; the format table lists {job.get('format')} for "
           f"{', '.join(spec.get('methods', []))}, so it fits.",
@@ -608,9 +740,12 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
     tts = tok.get("trained_tokens_per_sequence") or {}
     L += [f"## {fields['token-length-statistics']}", "",
           f"- Tokenizer: {model.name} ({model.load_path})",
-          f"- Tokens per sequence: min {tps.get('min')}, median {tps.get('p50')}, p90 {tps.get('p90')}, p99 {tps.get('p99')}, max {tps.get('max')}, mean {tps.get('mean')}; total {tok.get('total_tokens')}",
+          f"- Tokens per record under the real template ({tpl.get('source')}; a preference pair counts as two sequences): "
+          f"p50 {tps.get('p50')}, p95 {tps.get('p95')}, p99 {tps.get('p99')}, max {tps.get('max')} (min {tps.get('min')}, mean {tps.get('mean')}; total {tok.get('total_tokens')})",
           (f"- Trained tokens per sequence: min {tts.get('min')}, median {tts.get('p50')}, max {tts.get('max')}, mean {tts.get('mean')}" if tts else "- Trained tokens: none in the data (GRPO samples its completions)"),
-          f"- Over max_seq_length {brief.max_seq_length}: {tok.get('over_max_seq_length', 0)} records ({tok.get('over_share', 0):.1%}), {tok.get('tokens_cut', 0)} tokens cut", ""]
+          f"- Share over max_seq_length {seq_said(data)}: {tok.get('over_share', 0):.1%} ({tok.get('over_max_seq_length', 0)} records, {tok.get('tokens_cut', 0)} tokens cut)",
+          *([f"- max_seq_length was not in the brief: the method's default applies; the data's p99 is {tps.get('p99')} tokens, "
+             f"so `max_seq_length: {tps.get('p99')}` fits 99% of the records"] if data["max_seq_length_from"] == "default" else []), ""]
     L += [f"## {fields['processing']}", "",
           f"- Template: {tpl.get('source')} of the base model, sha256 {tpl.get('sha256')}; applied per example before packing.",
           f"- Masking: " + ("assistant turns only (assistant_only_loss=True)" if tpl.get("assistant_only_loss") else
@@ -620,6 +755,7 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
            f"cross-sample attention kept apart by padding-free position_ids restarts ({'verified' if (pk.get('attention') or {}).get('verified') else 'not verified'})"
            if pk.get("enabled") else "- Packing: off"),
           f"- Trainer settings to use (meta.json trainer_settings): {json.dumps(ts)}", ""]
+    L += _masking_lines(tpl.get("masking"))
     L += [f"## {fields['known-limitations-and-risks']}", "", *(f"- {r}" for r in risks), "",
           "Collapse guard readings: " + ", ".join(f"{k} {v}" for k, v in (col.get("values") or {}).items()) + ".", ""]
     return "\n".join(L)
@@ -627,14 +763,7 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
 
 def _license(src: dict) -> tuple[str | None, str | None]:
     """The license named by a dataset card or LICENSE file beside the source, if any."""
-    if src["kind"] == "hf":
-        cached = hf_dataset_cached(src["id"])
-        cands = [p for d in cached.values() for p in sorted(d.rglob("README.md"))[:3]]
-    else:
-        p = Path(src["path"])
-        base = p if p.is_dir() else p.parent
-        cands = [base / n for n in ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt", "DATASET_LICENSE")]
-    for c in cands:
+    for c in _card_cands(src):
         try:
             text = c.read_text(encoding="utf-8", errors="replace")[:20000]
         except OSError:
@@ -689,3 +818,62 @@ def main() -> int:
 if __name__ == "__main__":
     sys.exit(main())
 '''
+
+
+# ---------------------------------------------------------------- drafting a brief (the draft_brief MCP prompt)
+
+
+_SHAPE_METHOD = {
+    "preference": "DPO", "implicit-prompt-preference": "DPO", "alpaca-preference": "DPO", "sharegpt-preference": "DPO",
+    "messages-preference": "DPO", "openai-preference": "DPO", "paired-messages": "DPO",
+    "kto": "KTO", "messages-label": "KTO", "sharegpt-kto": "KTO", "alpaca-kto": "KTO",
+    "grpo": "GRPO", "prompt-only": "GRPO", "vision": "VLM-SFT",
+}
+
+
+def draft_brief(pc: PhaseContext, goal: str, base_model: str, data_file: str) -> str:
+    """A prompt that hands the agent a draft brief for a one-line goal, a base model and a data file: the method
+    follows from the data's shape (read with the same light pass prepare_dataset uses), the rest from the example
+    brief, and every value the draft had to assume is marked ASK for the agent to confirm with the user."""
+    from finetune_mcp.phases.brief import example_brief, slugify
+
+    real = pc.guard.check_read(data_file, "data_file")
+    if not real.exists():
+        raise NotFound(f"data file {data_file!r} not found", where=str(real), fix="pass an existing data file or folder")
+    shape, rows, holes = "unknown", None, []
+    try:
+        kind, files, _ = R.source_files(real)
+        if kind == "text" and sum(f.stat().st_size for f in files) <= LIGHT_PASS_MAX_BYTES:
+            raw, _ = R.read_text_source(real)
+            rows = len(raw.rows)
+            shape = R.detect_shape(raw.rows, pc.skills.table(SKILL, "formats").reference_fields)
+            holes = sorted({n for r in raw.rows[:2000] for _, names in C.find_placeholders(r) for n in names})
+    except JobError:
+        pass
+    method = _SHAPE_METHOD.get(shape, "SFT-LoRA")
+    slug = slugify(" ".join(goal.split()[:5])) or "task"
+    lines = [f"# Training brief: {goal.strip()}", "", "## Task", f"{slug} — {goal.strip()}", "", "## Base Model", base_model.strip(), "",
+             "## Chosen Method", method,
+             f"<!-- from the data's shape ({shape}); ASK whether the user meant another method -->", "",
+             "## Dataset Expectation", f"Records from {real.name}.", ""]
+    if rows is not None:
+        lines.append(f"examples: ~{rows}")
+    lines += ["<!-- ASK: provenance: synthetic | curated | mixed (curated sets get collapse warnings, not a refusal) -->"]
+    if holes:
+        lines.append(f"<!-- ASK: the records hold {', '.join('{{' + h + '}}' for h in holes)}: add "
+                     f"fill: {', '.join(h + '=...' for h in holes)} -->")
+    lines += ["<!-- max_seq_length left out: prepare_dataset takes the recipe default and reports the data's p99 to state here -->", "",
+              "## Memory Budget", "24 GB", "<!-- ASK: the memory of the machine that trains -->", "",
+              "## Deployment Target", "transformers (lora)", "<!-- ASK: transformers, vllm, llama.cpp or ollama, and a format -->", "",
+              "## Evaluation", "min_accuracy: 0.8", "<!-- ASK: the bar the tuned model must clear -->"]
+    if method == "GRPO":
+        lines += ["", "## Reward", "format" if shape == "prompt-only" else "exact_match, format"]
+    draft = "\n".join(lines) + "\n"
+    return (
+        f"Draft a training brief for this goal: {goal.strip()}\n\nBase model: {base_model.strip()}. Data: {real} "
+        f"({shape} shape" + (f", {rows} records" if rows is not None else "") + ").\n\n"
+        "Below is a draft. Confirm every line marked ASK with the user, save it as training-brief.md, then call "
+        f"prepare_dataset(brief_path=..., source={str(real)!r}). Every section and accepted value is in the example brief "
+        "(resource brief://example), shown after the draft.\n\n"
+        f"````markdown\n{draft}````\n\nThe example brief:\n\n````markdown\n{example_brief()}````\n"
+    )

@@ -119,16 +119,24 @@ def lora_params(s: dict[str, Any], r: int, targets: list[str]) -> int:
     return total * s["num_hidden_layers"]
 
 
-def activation_values_per_token_layer(s: dict[str, Any]) -> int:
+def activation_values_per_token_layer(s: dict[str, Any], lora_targets: list[str] | None = None) -> int:
     """Values one decoder layer keeps for backward, per token, with SDPA/flash attention (no s x s scores).
 
     Two norm inputs and the two projection inputs (4h), q/k/v (q + 2kv), the attention output (q), and
-    for a gated MLP gate, up, act(gate) and their product (4i); an fc1/fc2 MLP keeps 2i.
+    for a gated MLP gate, up, act(gate) and their product (4i); an fc1/fc2 MLP keeps 2i. RMSNorm keeps
+    its fp32 input and normalised output besides (2h per norm, 4h a layer). Each LoRA-adapted projection
+    materialises its output a second time (base output + scaled B(A(x)) is a new tensor): the sum of the
+    adapted projections' output widths.
     """
     h, q, kv = s["hidden_size"], s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
     # A routed token passes through num_experts_per_tok experts, each keeping its own intermediates.
     i = s["moe_intermediate_size"] * s["num_experts_per_tok"] if s["num_experts"] else s["intermediate_size"]
-    return 4 * h + 2 * q + 2 * kv + (4 * i if s["gated_mlp"] or s["num_experts"] else 2 * i)
+    base = 4 * h + 2 * q + 2 * kv + (4 * i if s["gated_mlp"] or s["num_experts"] else 2 * i)
+    norms = 4 * h
+    lin = _linears(s)
+    per_tok = s["num_experts_per_tok"] if s["num_experts"] else 1
+    lora_out = sum(lin[t][1] * (per_tok if lin[t][2] > 1 else 1) for t in (lora_targets or []) if t in lin)
+    return base + norms + lora_out
 
 
 def safetensors_param_count(folder: Path) -> int | None:
@@ -190,10 +198,13 @@ def estimate(
     lora_r: int | None = None,
     lora_targets: list[str] | None = None,
     gradient_checkpointing: bool | None = None,
+    tokens_per_sequence: int | None = None,
 ) -> dict[str, Any]:
     """Peak training memory for one process (one GPU, or the CPU) in GB, itemised, with its assumptions.
 
     total = weights + adapter state + max(training activations + logits, generation KV cache) + overhead.
+    tokens_per_sequence: what the largest batch holds per sequence (packed: max_seq_length; else the
+    dataset's longest templated sequence, capped at max_seq_length); default max_seq_length.
     """
     s = model["config"]
     d = table.defaults
@@ -221,13 +232,17 @@ def estimate(
     adapter_state = lora * table.trainable_bytes_per_param
 
     seqs = b * m.sequences_per_example
-    tokens = seqs * max_seq_length
+    seq_tokens = int(tokens_per_sequence or max_seq_length)
+    tokens = seqs * seq_tokens
     L, h, V = s["num_hidden_layers"], s["hidden_size"], s["vocab_size"]
-    per_layer = activation_values_per_token_layer(s)
+    per_layer = activation_values_per_token_layer(s, targets)
     full = tokens * L * per_layer * bpv
     # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
     ckpt = tokens * (L * h + per_layer) * bpv
-    activations = ckpt if gc else full
+    # Attention matrices kept for backward (CPU math kernel): per layer, per sequence, per head, s x s.
+    attention = (L * seqs * s["num_attention_heads"] * seq_tokens ** 2 * bpv
+                 * table.attention_score_copies["cpu" if cpu else "cuda"])
+    activations = (ckpt if gc else full) + (attention / L if gc else attention)
     logits = tokens * V * table.logits_bytes_per_token_vocab[act_prec]
     kv_cache = 2 * L * s["num_key_value_heads"] * s["head_dim"] * max_seq_length * m.kv_cache_sequences * bpv
     overhead = table.overhead_gb["cpu" if cpu else "cuda"] * GB
@@ -249,6 +264,7 @@ def estimate(
         "lora_targets": targets,
         "lora_params": lora,
         "max_seq_length": max_seq_length,
+        "tokens_per_sequence": seq_tokens,
         "micro_batch_size": b,
         "sequences_per_step": seqs,
         "gradient_checkpointing": gc,
@@ -257,6 +273,7 @@ def estimate(
             "weights": g(weights),
             "adapter_state": g(adapter_state),
             "activations": g(activations),
+            "attention_scores": g(attention / L if gc else attention),
             "logits": g(logits),
             "kv_cache": g(kv_cache),
             "overhead": g(overhead),
@@ -276,8 +293,10 @@ def estimate(
         ),
         "assumptions": [
             f"LoRA r={r} on {', '.join(targets)} (before generate_config chooses)",
-            f"micro batch {b} x {m.sequences_per_example} sequence(s) per example of {max_seq_length} tokens",
-            "SDPA/flash attention (no s x s attention scores kept)",
+            f"micro batch {b} x {m.sequences_per_example} sequence(s) per example of {seq_tokens} tokens"
+            + (f" (the data's longest, under max_seq_length {max_seq_length})" if seq_tokens < max_seq_length else ""),
+            ("SDPA's math kernel on a CPU: s x s attention scores and probabilities kept per head" if cpu
+             else "SDPA/flash attention (no s x s attention scores kept)"),
             m.note,
         ],
         "cite": CITE,

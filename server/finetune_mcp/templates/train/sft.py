@@ -10,6 +10,8 @@ def masking_of(cfg):
     m = (cfg.get("data") or {}).get("masking")
     if not m or (cfg.get("data") or {}).get("format") != "messages":
         return None
+    if cfg["calls"]["trainer"].get("assistant_only_loss") is False:
+        return None  # the config asks for loss on every token: the trainer gets the conversations as they are
     template = (Path(cfg["data"]["dir"]) / m["template_file"]).read_text(encoding="utf-8")
     if template_sha256(template) != m["plan"]["template_sha256"]:
         raise SystemExit(f"{cfg['data']['dir']}/{m['template_file']} changed since prepare_dataset checked it: prepare the dataset again")
