@@ -37,6 +37,8 @@ from typing import Any
 from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
 from finetune_mcp.jobs.evaluate import generate_golden_batch, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model
 
+CONVERTER_TIMEOUT_S = 4 * 3600.0
+
 # Runs llama.cpp's converter unchanged, from where it lies, with two run-time adjustments made in
 # memory (the user's files are never edited):
 # - a BPE tokenizer whose pre-tokenizer hash the converter's table lacks is mapped to the name in
@@ -275,7 +277,12 @@ def export(params: dict[str, Any]) -> dict[str, Any]:
             commands.append(f"FINETUNE_MCP_GGUF_PRE={pre_tok or '(unset)'} python convert_hf_to_gguf.py {hf.name}/ --outfile {converted.name} --outtype {outtype}"
                             f"   # converter: {params['converter']}, run through finetune-mcp's in-memory shim")
             env = {**os.environ, "FINETUNE_MCP_GGUF_PRE": pre_tok}
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            try:
+                # The converter reads the whole model once; hours means it is stuck, not slow.
+                p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CONVERTER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise JobError(f"llama.cpp's converter did not finish within {CONVERTER_TIMEOUT_S:.0f}s", kind="JobFailed",
+                               where=" ".join(cmd[:1] + cmd[3:]), fix="run the command by hand to see where it stops") from None
             if p.returncode != 0 or not converted.is_file():
                 tail = (p.stderr or p.stdout)[-3000:]
                 hint = "the converter does not know this tokenizer's pre-tokenizer; set FINETUNE_MCP_GGUF_PRE_TOKENIZER to the llama.cpp name it matches (e.g. gpt-2, llama-bpe, qwen2)" \

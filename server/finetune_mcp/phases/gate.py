@@ -160,14 +160,10 @@ def prepared_eval_split(pc: PhaseContext, config: dict[str, Any]) -> Path | None
 
 
 def append_roadbook(pc: PhaseContext, r: Path, line: str) -> None:
-    """One line per lifecycle event; skipped quietly where the role may not write the roadbook."""
-    p = r / "roadbook.md"
-    try:
-        pc.guard.check_write(p)
-    except FtError:
-        return
-    with open(p, "a", encoding="utf-8") as f:
-        f.write(f"- {utc_now()} {line}\n")
+    """One line per lifecycle event, under the run's lock; skipped quietly where the role may not write the roadbook."""
+    from finetune_mcp import roadbook
+
+    roadbook.append(pc.guard, r, line)
 
 
 # ---------------------------------------------------------------- suite files
