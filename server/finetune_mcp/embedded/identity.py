@@ -3,6 +3,12 @@
 The classic first fine-tune. Training questions and held-out questions are disjoint paraphrases, so the
 held-out score measures whether the model learned who it is, not whether it memorised a question.
 Deterministic: the same seed gives the same rows.
+
+Identity rows alone teach the model to answer everything with its name (measured on SmolLM2-135M: "What is
+the capital of France?" -> "I am Nova, ..."; KL 1.1 nats/token and 1.5x perplexity on general text). Replay
+rows hold the general answers in place: the base model's own greedy answers to 35 general prompts
+(identity-replay.jsonl, recorded by record_replay.py; none of them is a drift or golden prompt), the
+self-distillation way of mixing general data into an identity set.
 """
 
 from __future__ import annotations
@@ -42,14 +48,24 @@ ANSWERS = [
 GENERAL_PROMPTS = ["What is the capital of France?", "Name three primary colours.", "What is 2 + 2?"]
 
 
-def rows(seed: int = 0, per_question: int = 2) -> list[dict]:
-    """Conversations: each training question with `per_question` different answer phrasings."""
+REPLAY_FILE = Path(__file__).with_name("identity-replay.jsonl")
+
+
+def replay_rows() -> list[dict]:
+    """The base model's own answers to general prompts (see the module docstring)."""
+    return [json.loads(line) for line in REPLAY_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def rows(seed: int = 0, per_question: int = 2, replay: bool = False) -> list[dict]:
+    """Conversations: each training question with `per_question` different answer phrasings (and the replay rows)."""
     rng = random.Random(seed)
     out = []
     for q in TRAIN_QUESTIONS:
         for a in rng.sample(ANSWERS, per_question):
             out.append({"messages": [{"role": "user", "content": q},
                                      {"role": "assistant", "content": a.format(name=NAME, maker=MAKER)}]})
+    if replay:
+        out += replay_rows()
     rng.shuffle(out)
     return out
 
@@ -140,7 +156,7 @@ def sample_brief(base_model: str, max_seq_length: int = 128, system_prompt: str 
         "8 GB",
         "",
         "## Deployment Target",
-        "llama.cpp (gguf-q8_0)",
+        "llama.cpp (gguf-f16)",
         "",
         "## Evaluation",
         "min_accuracy: 0.8",

@@ -320,8 +320,13 @@ def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str
     if not fits:
         notes.append(f"estimated {est['gb']['total']:.2f} GB exceeds {rules.headroom:.0%} of the {budget_gb:g} GB budget after every budget rule; "
                      "the preflight's memory check decides whether this run may start")
-    return {"total_gb": est["gb"]["total"], "budget_gb": budget_gb, "limit_gb": round(limit, 3), "fits": fits,
-            "gb": est["gb"], "assumptions": est["assumptions"], "cite": est["cite"]}
+    return _mem_result(est, budget_gb, limit)
+
+
+def _mem_result(est: dict, budget_gb: float, limit: float) -> dict:
+    return {"total_gb": est["gb"]["total"], "budget_gb": budget_gb, "limit_gb": round(limit, 3), "fits": est["gb"]["total"] <= limit,
+            "gb": est["gb"], "assumptions": est["assumptions"], "cite": est["cite"], "micro_batch_size": est["micro_batch_size"],
+            "tokens_per_sequence": est["tokens_per_sequence"]}
 
 
 def _choose_backend(requested: str, method: str, platform: str, report: dict, skills, notes: list[str]) -> tuple[str, str]:
@@ -603,6 +608,13 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         vals.set(k, v, "override")
         if before.startswith("budget rule"):
             warnings.append(f"the override of {k} replaces a budget rule's value ({before})")
+    if mem is not None and overrides:
+        # The estimate must describe the run that will start: overrides may change its batch, rank or length.
+        mem = _mem_result(_estimate(model_info, method, vals.value, platform, skills.table("spark-preflight", "memory"), meta),
+                          mem["budget_gb"], mem["limit_gb"])
+        if not mem["fits"]:
+            budget_notes.append(f"with the overrides the estimate is {mem['total_gb']:.2f} GB, above {mem['limit_gb']:.2f} GB "
+                                f"({mem['budget_gb']:g} GB budget with headroom)")
     warnings += budget_notes
     if "rewards" in vals.value:
         known = skills.table("grpo-rlvr-training", "rewards").rewards
