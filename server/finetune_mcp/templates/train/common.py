@@ -19,7 +19,8 @@ class ProgressLog(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        self.history.write(json.dumps({"step": state.global_step, **logs}, default=float) + "\n")
+        # The wall clock beside each log: throughput between two logs (tokens/s past the warm-up) needs it.
+        self.history.write(json.dumps({"step": state.global_step, "time": round(time.time(), 3), **logs}, default=float) + "\n")
         if "loss" not in logs:  # eval results and the end-of-training summary
             return
         record = {
