@@ -98,16 +98,17 @@ class Check:
         try:
             st.details = fn(budget) or {}
             st.status = "ok"
-        except Skip as e:
-            st.status, st.reason = "skipped", str(e)
-            log(f"SKIPPED {name}: {e}")
         except Exception as e:  # a failed stage is recorded and the next one runs
             while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:  # anyio's task groups wrap the cause
                 e = e.exceptions[0]
-            st.status, st.reason = "failed", f"{type(e).__name__}: {e}"
-            (self.tree / "stages").mkdir(exist_ok=True)
-            (self.tree / "stages" / f"{name}.traceback.txt").write_text(traceback.format_exc())
-            log(f"FAILED {name}: {st.reason}")
+            if isinstance(e, Skip):
+                st.status, st.reason = "skipped", str(e)
+                log(f"SKIPPED {name}: {e}")
+            else:
+                st.status, st.reason = "failed", f"{type(e).__name__}: {e}"
+                (self.tree / "stages").mkdir(exist_ok=True)
+                (self.tree / "stages" / f"{name}.traceback.txt").write_text(traceback.format_exc())
+                log(f"FAILED {name}: {st.reason}")
         st.seconds = round(time.time() - t0, 1)
         self.save_stages()
         return st
@@ -227,18 +228,19 @@ def _copy_tail(src: Path, dst: Path, limit: int = 256_000) -> None:
 def do_run(check: Check, spec: RunSpec, budget: float) -> dict:
     import anyio
 
-    if spec.gpu_only and not check.a.gpu:
-        raise Skip(f"GPU only ({spec.method} loads 4-bit weights with bitsandbytes on CUDA): no NVIDIA GPU here")
     python = check.a.unsloth_python if spec.env == "unsloth" else check.a.server_python
     if not python or not Path(python).exists():
         raise Skip(f"no {spec.env} training environment here (unsloth python: {python or 'not set'}); "
                    "on the GPU box gpu_check.sh builds it, on a CPU set FINETUNE_MCP_UNSLOTH_PYTHON (.ci/unsloth-env.sh)")
     if not check.model:
         raise Skip("no model: the model stage did not succeed")
-    return anyio.run(_run_async, check, spec, python, budget)
+    # Without a GPU a GPU-only run is still prepared, preflighted and configured (the brief, the recipe and the
+    # estimate are checked); only the launch is left out.
+    configure_only = spec.gpu_only and not check.a.gpu
+    return anyio.run(_run_async, check, spec, python, budget, configure_only)
 
 
-async def _run_async(check: Check, spec: RunSpec, python: str, budget: float) -> dict:
+async def _run_async(check: Check, spec: RunSpec, python: str, budget: float, configure_only: bool = False) -> dict:
     import anyio
 
     from finetune_mcp.demo import session
@@ -301,6 +303,11 @@ async def _run_async(check: Check, spec: RunSpec, python: str, budget: float) ->
         cfg = await call(s, "generate_config", {"experiment": exp, "tag": "gc", "backend": spec.backend,
                                              "overrides": {"max_steps": steps, "logging_steps": 1, "save_steps": steps}})
         (out / "generate_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if configure_only:
+            (out / "tool-calls.json").write_text(json.dumps(calls, indent=2) + "\n")
+            est = ((cfg.get("memory_estimate") or {}).get("gb") or {}).get("total")
+            raise Skip(f"GPU only ({spec.method}: bitsandbytes 4-bit weights need CUDA): no NVIDIA GPU here; prepared, "
+                       f"preflighted ({pf.get('verdict')}) and configured (backend {cfg.get('backend')}, estimate {est} GB), not launched")
         launch = await call(s, "launch_run", {"experiment": exp, "tag": "gc", "accept_warnings": True})
         run_dir = Path(launch["run_dir"])
         cursor, records, p = 0, [], {}
@@ -444,10 +451,12 @@ def figures(check: Check) -> dict:
         r = check.runs.get(spec.name)
         if r and spec.speed_pair:
             pairs.setdefault(spec.speed_pair, {})[spec.backend] = (r.get("throughput") or {}).get("tokens_per_s")
+            pairs[spec.speed_pair].setdefault("basis", set()).add((r.get("throughput") or {}).get("basis"))
     for pair, v in pairs.items():
         ratio = round(v["unsloth"] / v["trl"], 3) if v.get("unsloth") and v.get("trl") else None
         f["speed"][pair] = {"trl_tokens_per_s": v.get("trl"), "unsloth_tokens_per_s": v.get("unsloth"),
-                            "unsloth_over_trl": ratio, "goal": ">= 1.5", "met": None if ratio is None else ratio >= 1.5}
+                            "unsloth_over_trl": ratio, "goal": ">= 1.5", "met": None if ratio is None else ratio >= 1.5,
+                            "basis": "; ".join(sorted(b for b in v.get("basis", ()) if b))}
     for name, r in check.runs.items():
         m = r.get("memory") or {}
         f["memory"][name] = m
@@ -501,10 +510,10 @@ def summary_md(s: dict) -> str:
         lines.append(f"| {st['name']} | {st['status'].upper()} | {st['seconds']} | {(st['reason'] or '').replace('|', '/')[:300]} |")
     f = s["figures"]
     lines += ["", "## Tokens/s, Unsloth against TRL on the same brief (goal >= 1.5x)", "",
-              "| brief | TRL tok/s | Unsloth tok/s | Unsloth / TRL | met |", "|---|---|---|---|---|"]
+              "| brief | TRL tok/s | Unsloth tok/s | Unsloth / TRL | met | measured over |", "|---|---|---|---|---|---|"]
     for pair, v in f["speed"].items():
         lines.append(f"| {pair} | {_fmt(v['trl_tokens_per_s'], '{:.0f}')} | {_fmt(v['unsloth_tokens_per_s'], '{:.0f}')} | "
-                     f"{_fmt(v['unsloth_over_trl'], '{:.2f}')} | {_fmt(v['met'])} |")
+                     f"{_fmt(v['unsloth_over_trl'], '{:.2f}')} | {_fmt(v['met'])} | {v.get('basis') or '—'} |")
     lines += ["", "## Peak memory against the estimate (QLoRA goal: estimate / peak within 0.8-1.2)", "",
               "| run | generate_config estimate GB | preflight estimate GB | peak mem_gb (records) | estimate / peak |", "|---|---|---|---|---|"]
     for name, v in f["memory"].items():
@@ -541,8 +550,6 @@ def main(argv=None) -> int:
     a.server_python = sys.executable
     a.gpu = Nvml().handle is not None and not a.dry_run
     a.steps = a.steps or (2 if a.dry_run else 60)
-    if a.dry_run:
-        a.seq = min(a.seq, 256)
     check = Check(a)
     only = {x for x in a.only.split(",") if x}
     log(f"{'DRY RUN (CPU, GPU-only stages skip loudly)' if a.dry_run else 'GPU run'}: model {a.model}, {a.steps} steps, "

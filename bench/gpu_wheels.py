@@ -113,8 +113,8 @@ def wheel_parts(filename: str) -> tuple[str, str]:
     return re.sub(r"[-_.]+", "_", name).lower(), version
 
 
-def pip_platform_args(arch: str = "x86_64") -> list[str]:
-    args = ["--python-version", PY, "--implementation", "cp", "--abi", "cp" + PY.replace(".", ""), "--only-binary=:all:"]
+def pip_platform_args(arch: str = "x86_64", py: str = PY) -> list[str]:
+    args = ["--python-version", py, "--implementation", "cp", "--abi", "cp" + py.replace(".", ""), "--only-binary=:all:"]
     for p in PLATFORMS[arch]:
         args += ["--platform", p]
     return args
@@ -173,8 +173,13 @@ def _groups(entries: list[Entry]) -> list[list[Entry]]:
     return groups
 
 
-def fetch(dest: Path, entries: list[Entry], arch: str = "x86_64", own: bool = True) -> dict:
-    """Download every listed wheel (hashes required), slim the marked ones, build ours, write the manifest."""
+def fetch(dest: Path, entries: list[Entry], arch: str = "x86_64", own: bool = True, sim_python: str | None = None) -> dict:
+    """Download every listed wheel (hashes required), slim the marked ones, build ours, write the manifest.
+
+    sim_python (e.g. "3.11") fetches the same pins built for another Python, without the hash check (the
+    published hashes are the cp312 files'): only for rehearsing the install on a CPU machine that lacks 3.12.
+    """
+    py = sim_python or PY
     pypi, wheels = dest / "pypi", dest / "wheels"
     pypi.mkdir(parents=True, exist_ok=True)
     if wheels.exists():
@@ -183,24 +188,27 @@ def fetch(dest: Path, entries: list[Entry], arch: str = "x86_64", own: bool = Tr
     for group in _groups(entries):
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as req:
             for e in group:
-                req.write(f"{e.name}=={e.version} --hash=sha256:{e.sha256}\n")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "-q", "-d", str(pypi),
-               *pip_platform_args(arch), "-r", req.name]
+                req.write(f"{e.name}=={e.version}" + ("" if sim_python else f" --hash=sha256:{e.sha256}") + "\n")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(pypi), *pip_platform_args(arch, py), "-r", req.name]
+        if not sim_python:
+            cmd.insert(5, "--require-hashes")
         p = subprocess.run(cmd, capture_output=True, text=True)
         os.unlink(req.name)
         if p.returncode:
             raise SystemExit(f"pip download failed ({' '.join(cmd)}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
     by_hash = {sha256_file(p): p for p in pypi.glob("*.whl")}
+    tag = "cp" + py.replace(".", "")
+    by_pin = {wheel_parts(p.name): p for p in sorted(pypi.glob("*.whl"), key=lambda p: (tag not in p.name, p.name))}
     rows = []
     for e in entries:
-        src = by_hash.get(e.sha256)
+        src = by_pin.get((e.norm, e.version)) if sim_python else by_hash.get(e.sha256)
         if src is None:
             raise SystemExit(f"{LIST}:{e.line}: no downloaded wheel has sha256 {e.sha256} ({e.name}=={e.version})")
         out = slim_wheel(src, wheels, e.slim) if e.slim else Path(shutil.copy2(src, wheels / src.name))
         rows.append(manifest_row(out, e.name, e.version, e.envs, published=src, slim=e.slim))
     if own:
         rows.append(build_own_wheel(wheels))
-    return write_manifest(wheels, rows, arch)
+    return write_manifest(wheels, rows, arch, py)
 
 
 def manifest_row(path: Path, name: str, version: str, envs, published: Path | None = None, slim: str | None = None) -> dict:
@@ -210,8 +218,8 @@ def manifest_row(path: Path, name: str, version: str, envs, published: Path | No
             "published_bytes": published.stat().st_size if published else None, "slim": slim}
 
 
-def write_manifest(wheels: Path, rows: list[dict], arch: str = "x86_64") -> dict:
-    manifest = {"format": "finetune-mcp/gpu-wheels@1", "python": PY, "arch": arch, "wheels": rows,
+def write_manifest(wheels: Path, rows: list[dict], arch: str = "x86_64", py: str = PY) -> dict:
+    manifest = {"format": "finetune-mcp/gpu-wheels@1", "python": py, "arch": arch, "wheels": rows,
                 "total_bytes": sum(r["bytes"] for r in rows),
                 "published_total_bytes": sum(r.get("published_bytes") or r["bytes"] for r in rows)}
     tmp = wheels / (MANIFEST + ".partial")
@@ -321,13 +329,14 @@ def env_files(wheels: Path, env: str) -> list[Path]:
 
 
 def resolve(wheels: Path, arch: str = "x86_64") -> dict:
-    """pip, offline, resolves each environment's wheels for cp312 on arch: every file there and of the right tags."""
+    """pip, offline, resolves each environment's wheels for the manifest's Python on arch: every file there, of the right tags."""
     out = {}
+    py = json.loads((wheels / MANIFEST).read_text()).get("python", PY)
     for env in ENVS:
         files = env_files(wheels, env)
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-deps", "--ignore-installed",
-                   "--target", tmp, *pip_platform_args(arch), *map(str, files)]
+                   "--target", tmp, *pip_platform_args(arch, py), *map(str, files)]
             p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""})
         out[env] = {"ok": p.returncode == 0, "wheels": len(files), "tail": (p.stdout + p.stderr)[-1500:]}
     return out
@@ -340,6 +349,7 @@ def main(argv=None) -> int:
     f.add_argument("dir", type=Path)
     f.add_argument("--arch", default="x86_64", choices=sorted(PLATFORMS))
     f.add_argument("--list", type=Path, default=LIST)
+    f.add_argument("--sim-python", help="rehearsal only: the same pins for another Python (no hash check), e.g. 3.11")
     b = sub.add_parser("bundle")
     b.add_argument("dir", type=Path)
     b.add_argument("--max-mib", type=float, default=56.0)
@@ -358,7 +368,7 @@ def main(argv=None) -> int:
         except ListError as err:
             print(err, file=sys.stderr)
             return 2
-        m = fetch(args.dir, entries, args.arch)
+        m = fetch(args.dir, entries, args.arch, sim_python=args.sim_python)
         for row in sorted(m["wheels"], key=lambda r: -r["bytes"]):
             pub = f" (published {row['published_bytes'] / 2**20:.2f})" if row["slim"] else ""
             print(f"{row['bytes'] / 2**20:8.2f} MiB  {row['file']}{pub}")

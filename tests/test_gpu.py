@@ -59,7 +59,6 @@ def test_progress_records_carry_nvml_memory_and_temperature(ws_root, request):
     inbox.mkdir()
     (inbox / "training-brief.md").write_text(task.sample_brief("sft-lora"))
     data = task.write_jsonl(task.sft_conversations(400), inbox / "data.jsonl")
-    idle_gb = nv.nvmlDeviceGetMemoryInfo(handle).used / 1e9
 
     async def main():
         async with mcp_session() as s:
@@ -92,10 +91,11 @@ def test_progress_records_carry_nvml_memory_and_temperature(ws_root, request):
     temp = [r["temp_c"] for r in records]
     assert None not in mem and None not in temp, records[:3]
     print(f"records mem_gb {min(mem):.3f}-{max(mem):.3f}, NVML used {min(sampler.used):.3f}-{max(sampler.used):.3f} "
-          f"(idle {idle_gb:.3f}); records temp_c {min(temp)}-{max(temp)}, NVML {min(sampler.temps)}-{max(sampler.temps)}")
-    # GPU memory in use, not the process's resident memory: above what the idle GPU held (the run's CUDA context
-    # and weights), and inside NVML's own readings (a record is the peak between samples: 10 % slack on top).
-    assert min(mem) > idle_gb + 0.1
+          f"; records temp_c {min(temp)}-{max(temp)}, NVML {min(sampler.temps)}-{max(sampler.temps)}")
+    # GPU memory in use (device-wide, as NVML counts it), not the trainer's resident memory: inside NVML's own
+    # readings taken meanwhile (a record is the peak between two samples: 10 % slack on top), and at least a
+    # CUDA context's worth. Other tests may share the GPU (pytest-xdist): NVML sees their memory on both sides.
+    assert min(mem) > 0.3
     assert min(mem) >= min(sampler.used) - 0.05 and max(mem) <= max(sampler.used) * 1.1 + 0.05
     # The GPU's temperature sensor, not a CPU one.
     assert min(sampler.temps) - 3 <= min(temp) and max(temp) <= max(sampler.temps) + 3
