@@ -102,10 +102,13 @@ async def run_case(case: dict, steps: int) -> dict:
             await anyio.sleep(2)
     peaks = [r["mem_gb"] for r in records if r.get("mem_gb") is not None]
     est = cfg["memory_estimate"]
+    hist = root / "outputs" / "trainings" / launch["run_id"] / "logs" / "log_history.jsonl"
+    summary = next((json.loads(l) for l in hist.read_text().splitlines() if "train_runtime" in l), {}) if hist.is_file() else {}
+    measured_s_step = summary["train_runtime"] / steps if summary.get("train_runtime") else None
     return {"case": case["name"], "status": p["status"], "estimate_gb": est["gb"]["total"], "peak_gb": max(peaks) if peaks else None,
             "preflight_estimate_gb": (pf.get("memory_estimate") or {}).get("gb", {}).get("total"),
             "itemised": est["gb"], "tokens_per_sequence": est.get("max_seq_length"), "wall_s": round(time.monotonic() - t0, 1),
-            "time_estimate": (pf.get("time_estimate") or {})}
+            "s_per_step_estimate": (pf.get("time_estimate") or {}).get("s_per_step"), "s_per_step_run": measured_s_step}
 
 
 def main() -> int:
@@ -119,10 +122,12 @@ def main() -> int:
         r = anyio.run(run_case, c, a.steps)
         results.append(r)
         print(json.dumps(r), flush=True)
-    print("\n| case | estimate GB | peak GB (records) | estimate / peak |\n|---|---|---|---|")
+    print("\n| case | estimate GB | peak GB (records) | estimate / peak | preflight s/step | run s/step |\n|---|---|---|---|---|---|")
     for r in results:
         ratio = r["estimate_gb"] / r["peak_gb"] if r["peak_gb"] else None
-        print(f"| {r['case']} | {r['estimate_gb']:.3f} | {r['peak_gb']:.3f} | {ratio:.2f} |")
+        se, sr = r["s_per_step_estimate"], r["s_per_step_run"]
+        print(f"| {r['case']} | {r['estimate_gb']:.3f} | {r['peak_gb']:.3f} | {ratio:.2f} | {se if se is not None else '-'} | "
+              f"{f'{sr:.3f}' if sr else '-'} |")
         print("BENCH " + json.dumps({"figure": f"memory estimate / peak: {r['case']}", "ours": r["estimate_gb"],
                                      "baseline": r["peak_gb"], "ratio": round(ratio, 3) if ratio else None, "goal": "0.8-1.2"}))
     return 0

@@ -41,14 +41,21 @@ def write_run(root: Path, n: int) -> tuple[str, int]:
     (run_dir / "run.json").write_text(json.dumps({"pid": me.pid, "pgid": os.getpgid(0), "start_time": me.create_time(),
                                                   "launcher": "local", "run_id": f"{EXP}/{run_dir.name}"}))
     path = run_dir / "logs" / "progress.jsonl"
-    with open(path, "w") as f:
-        chunk = []
+    # log_history.jsonl as train.py writes it (every trainer log with its time and token count): a poll reads
+    # its tail for tokens/s and the ETA.
+    t0 = time.time() - n
+    with open(path, "w") as f, open(run_dir / "logs" / "log_history.jsonl", "w") as h:
+        chunk, hchunk = [], []
         for i in range(1, n + 1):
             chunk.append(f'{{"step": {i}, "loss": {2.0 / (1 + i / 1000):.6f}, "lr": 0.0002, "mem_gb": 71.2, "temp_c": 68.0}}\n')
+            hchunk.append(f'{{"step": {i}, "time": {t0 + i:.3f}, "loss": {2.0 / (1 + i / 1000):.6f}, "learning_rate": 0.0002, '
+                          f'"num_tokens": {4096.0 * i}}}\n')
             if len(chunk) == 10000:
                 f.write("".join(chunk))
-                chunk = []
+                h.write("".join(hchunk))
+                chunk, hchunk = [], []
         f.write("".join(chunk))
+        h.write("".join(hchunk))
     return f"{EXP}/{run_dir.name}", path.stat().st_size
 
 
@@ -99,10 +106,13 @@ def main() -> int:
                 R.poll_progress(pc, run_id, cursor=end)
 
             def cold():
-                R._CACHE.clear()
-                R._NOTED.clear()
-                R._RUN_CONFIG.clear()
-                R._WRITES_PROGRESS.clear()
+                if hasattr(R, "forget"):
+                    R.forget()
+                else:  # the code before the split into run_state / progress (to measure it side by side)
+                    R._CACHE.clear()
+                    R._NOTED.clear()
+                    R._RUN_CONFIG.clear()
+                    R._WRITES_PROGRESS.clear()
                 R.poll_progress(pc, run_id, cursor=end)
 
             results[n] = {"warm": time_calls(warm, a.calls), "cold": time_calls(cold, a.calls)}

@@ -39,6 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "server"))
+sys.path.insert(0, str(HERE))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from finetune_mcp.embedded import task  # noqa: E402
@@ -55,7 +56,14 @@ BASELINE = textwrap.dedent('''
     tok = AutoTokenizer.from_pretrained(model)
     ds = datasets.load_dataset("json", data_files=src, split="train", cache_dir=sys.argv[4])
 
+    markers = "generation" in (tok.chat_template or "")
+
     def tokenize(ex):
+        if not markers:
+            # TRL cannot mask a template without {% generation %} markers (SmolLM2's): what a user gets by hand
+            # is the tokenized conversation, loss on every token.
+            ids = _tokenize(tok, ex["messages"])["input_ids"]
+            return {"input_ids": ids, "labels": list(ids)}
         out = _tokenize(tok, ex["messages"], return_assistant_tokens_mask=True)
         return {"input_ids": out["input_ids"],
                 "labels": [t if m else -100 for t, m in zip(out["input_ids"], out["assistant_masks"])]}
@@ -74,8 +82,11 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=50_000)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2, help="alternate ours and the baseline this many times; the best of each counts")
-    ap.add_argument("--out", default=str(HERE / "results" / "bench_prepare.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                    help="smollm2: SmolLM2-135M-Instruct's real tokenizer and template (masked by derived spans), identity chats")
     a = ap.parse_args()
+    a.out = a.out or str(HERE / "results" / f"bench_prepare{'' if a.model == 'tiny' else '_' + a.model}.json")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     os.environ["DGX_SPARK_ROOT"] = str(tmp / "root")
@@ -85,13 +96,24 @@ def main() -> int:
     from finetune_mcp.workspace import Workspace
 
     ws = Workspace.from_env()
-    model = ws.base_models_dir / "finetune-mcp-tiny"
-    run_job("build_tiny_model", {"target_dir": str(model), "seed": 0}, timeout=900)
     brief = ws.root / "brief.md"
-    brief.write_text(task.sample_brief("sft-lora").replace("max_seq_length: 64", f"max_seq_length: {a.seq}"))
+    if a.model == "smollm2":
+        from bench_memory import ensure_smollm2
+        from finetune_mcp.embedded import identity
+
+        model = ws.base_models_dir / "SmolLM2-135M-Instruct"
+        model.parent.mkdir(parents=True, exist_ok=True)
+        model.symlink_to(ensure_smollm2(), target_is_directory=True)
+        brief.write_text(identity.sample_brief("SmolLM2-135M-Instruct", a.seq, packing=True))
+        sets = (("identity-chats", identity.chats(a.n)),)
+    else:
+        model = ws.base_models_dir / "finetune-mcp-tiny"
+        run_job("build_tiny_model", {"target_dir": str(model), "seed": 0}, timeout=900)
+        brief.write_text(task.sample_brief("sft-lora").replace("max_seq_length: 64", f"max_seq_length: {a.seq}"))
+        sets = (("dialogues", task.sft_dialogues(a.n)), ("uniform", task.sft_conversations(a.n)))
 
     results = {}
-    for name, rows in (("dialogues", task.sft_dialogues(a.n)), ("uniform", task.sft_conversations(a.n))):
+    for name, rows in sets:
         src = ws.root / "incoming" / f"{name}.jsonl"
         task.write_jsonl(rows, src)
         # A first call on a stopped worker: it pays the training stack's imports, as the baseline's cold figure does.

@@ -25,6 +25,9 @@ sys.path.insert(0, str(ROOT / "server"))
 from finetune_mcp.triage import classify_text  # noqa: E402
 
 LOGS = ROOT / "tests" / "fixtures" / "logs"
+# Collected and labelled by someone who never saw the classifier's rules, after they were written; measured
+# once, never tuned on (see its index.yaml). Its figure is the honest one for logs the rules have not seen.
+BLIND = ROOT / "tests" / "fixtures" / "logs-blind"
 CLASSES = ("environment", "divergence", "oom", "none")
 
 
@@ -32,8 +35,15 @@ def load_cases() -> list[dict]:
     return yaml.safe_load((LOGS / "index.yaml").read_text(encoding="utf-8"))["cases"]
 
 
+def load_blind() -> list[dict]:
+    if not (BLIND / "index.yaml").is_file():
+        return []
+    return [{**c, "class": c["label"], "split": "blind", "format": c.get("framework", "?"), "_dir": BLIND}
+            for c in yaml.safe_load((BLIND / "index.yaml").read_text(encoding="utf-8"))["cases"]]
+
+
 def run_case(case: dict):
-    text = (LOGS / case["file"]).read_text(encoding="utf-8")
+    text = (case.get("_dir", LOGS) / case["file"]).read_text(encoding="utf-8")
     return classify_text(text, exit_info=case.get("exit_info"), platform=case.get("platform"))
 
 
@@ -48,11 +58,11 @@ def matrix(rows: list[tuple[str, str]]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--misses", choices=["dev", "heldout"], help="list the misses of this part")
+    ap.add_argument("--misses", choices=["dev", "heldout", "blind"], help="list the misses of this part")
     ap.add_argument("--json", action="store_true", help="print only the summary lines")
     args = ap.parse_args(argv)
 
-    cases = load_cases()
+    cases = load_cases() + load_blind()
     results: dict[str, list[tuple[dict, object]]] = defaultdict(list)
     t0 = time.perf_counter()
     for c in cases:
@@ -60,7 +70,7 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
 
     summary = {"cases": len(cases), "seconds": round(elapsed, 2)}
-    for part in ("heldout", "dev"):
+    for part in ("blind", "heldout", "dev"):
         pairs = results[part]
         rows = [(c["class"], r.failure_class) for c, r in pairs]
         hits = sum(t == p for t, p in rows)
@@ -84,14 +94,14 @@ def main(argv=None) -> int:
                           f"signals={r.signals[:3]} - {r.reason[:160]}")
     if not args.json:
         fmts: dict[str, list[bool]] = defaultdict(list)
-        for part in ("heldout", "dev"):
+        for part in ("heldout", "dev"):  # the blind set names frameworks in its own words
             for c, r in results[part]:
                 fmts[c["format"]].append(c["class"] == r.failure_class)
         print("\nper format (both parts): " + ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in sorted(fmts.items(), key=lambda kv: -len(kv[1]))))
         print(f"\n{len(cases)} logs triaged in {elapsed:.2f} s")
-    for part in ("heldout", "dev"):
+    for part in ("blind", "heldout", "dev"):
         print("BENCH " + json.dumps({"figure": f"triage class accuracy, {part} part ({summary[part + '_cases']} real logs)",
-                                     "ours": summary[f"{part}_accuracy"], "goal": ">= 0.90" if part == "heldout" else ""}))
+                                     "ours": summary[f"{part}_accuracy"], "goal": ">= 0.90" if part != "dev" else ""}))
     print(json.dumps({"bench": "triage", **summary}))
     return 0
 

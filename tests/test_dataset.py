@@ -377,8 +377,12 @@ def test_parallel_templating_matches_sequential(tiny_model_dir, monkeypatch):
     tp = job.Templater(str(tiny_model_dir), "messages", "sft-lora")
     records = task.sft_conversations(job.PARALLEL_MIN_RECORDS + 200, seed=3)
     records[7] = {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}
-    parallel = list(job._template_all(tp, records))
+    started = job._Templating(tp, records)
+    assert started.pool is not None  # forked workers took the set
+    parallel = list(started)
     monkeypatch.setattr(job, "PARALLEL_MIN_RECORDS", 10**9)
-    sequential = list(job._template_all(tp, records))
+    one = job._Templating(tp, records)
+    assert one.pool is None
+    sequential = list(one)
     assert [k for k, _ in parallel] == [k for k, _ in sequential]
     assert parallel == sequential

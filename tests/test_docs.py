@@ -30,7 +30,8 @@ def test_readme_names_the_ci_test_command():
 
 def test_readme_shows_the_complete_example_brief():
     """The README's brief is the shipped example, parses, and names every value the parser accepts."""
-    from finetune_mcp.phases.brief import DEPLOY_FORMATS, FORMATS, METHOD_LABELS, PLACEHOLDER_POLICIES, PROVENANCES, RUNTIMES, example_brief, parse_brief
+    from finetune_mcp.phases.brief import (DEPLOY_FORMATS, FORMATS, METHOD_LABELS, PLACEHOLDER_POLICIES, PROVENANCES, RUNTIMES, TRACKERS,
+                                           example_brief, parse_brief)
     from finetune_mcp.skills import load_skills
 
     readme = (REPO / "README.md").read_text()
@@ -40,11 +41,12 @@ def test_readme_shows_the_complete_example_brief():
     b = parse_brief(example_brief(), "example.md")
     assert b.defaults_applied == [] and b.provenance and b.fill and b.max_seq_length and b.evaluation and b.reward
     text = example_brief()
+    assert b.time_budget_s == 7200
     for section in ("## Task", "## Base Model", "## Chosen Method", "## Dataset Expectation", "## Memory Budget",
-                    "## Deployment Target", "## Evaluation", "## Reward"):
+                    "## Time Budget", "## Deployment Target", "## Evaluation", "## Reward", "## Tracking"):
         assert section in text
     rewards = load_skills().table("grpo-rlvr-training", "rewards").rewards
-    for value in [*METHOD_LABELS.values(), *FORMATS, *RUNTIMES, *DEPLOY_FORMATS, *PROVENANCES, *PLACEHOLDER_POLICIES, *rewards,
+    for value in [*METHOD_LABELS.values(), *FORMATS, *RUNTIMES, *DEPLOY_FORMATS, *PROVENANCES, *PLACEHOLDER_POLICIES, *rewards, *TRACKERS,
                   "min_accuracy", "max_drift", "max_eval_loss", "max_seq_length", "packing", "examples", "fill", "license", "system_prompt", "GiB", "TB"]:
         assert value in text, value
 

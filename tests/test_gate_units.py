@@ -80,6 +80,17 @@ def test_training_role_may_not_sign(ws_root):
     ("eval.yaml", "thresholds:\n  min_accuracy: high\n", "eval/eval.yaml: thresholds.min_accuracy"),
     ("eval.yaml", "goldens: 9\n", "eval/eval.yaml: goldens"),
     ("eval.yaml", "loss: prompts\n", "eval/eval.yaml"),
+    ("prompts.jsonl", '{"prompt": "a", "expected": "b"}\n\n{"prompt": "a", "expected": "b", "scorer": "contain"}\n', "eval/prompts.jsonl:3: scorer"),
+    ("prompts.jsonl", '{"prompt": "a", "expected": "b", "scorer": {"name": "regex", "pattern": "(a"}}\n', "eval/prompts.jsonl:1: scorer.pattern"),
+    ("prompts.jsonl", '{"prompt": "a", "expected": "b", "scorer": {"name": "numeric", "tolerance": 0.5}}\n', "eval/prompts.jsonl:1: expected"),
+    ("prompts.jsonl", '{"prompt": "a", "expected": ["1", "x"], "scorer": "numeric"}\n', "eval/prompts.jsonl:1: expected[1]"),
+    ("prompts.jsonl", '{"prompt": "a", "expected": []}\n', "eval/prompts.jsonl:1: expected"),
+    ("eval.yaml", "scorer: {name: rouge_l, threshold: 0}\n", "eval/eval.yaml: scorer.threshold"),
+    ("eval.yaml", "scorer: includes\n", "eval/eval.yaml: scorer"),
+    ("eval.yaml", "match: contains\n", "eval/eval.yaml: match"),
+    ("eval.yaml", "thresholds: {max_kld: 0.1}\n", "eval/eval.yaml: thresholds.max_kld"),
+    ("eval.yaml", "perplexity_text: ../x.txt\n", "eval/eval.yaml: perplexity_text"),
+    ("eval.yaml", "batch_size: 0\n", "eval/eval.yaml: batch_size"),
 ])
 def test_suite_files_are_validated_with_their_place(name, content, where):
     with pytest.raises(BadInput) as e:
@@ -92,8 +103,38 @@ def test_suite_formats_accepted():
     assert len(rows) == 1
     assert gate.validate_suite_file("goldens.jsonl", '{"prompt": "p", "output": "o"}\n{"prompt": "q"}\n')[1] == {"prompt": "q"}
     cfg = gate.validate_suite_file("eval.yaml", "thresholds: {min_accuracy: 0.9, max_drift: null}\nmatch: first_line\ngoldens: 3\n")
-    assert cfg["match"] == "first_line"
+    assert cfg["match"] == "first_line" and cfg["scorer_spec"].name == "first_line"  # match: the scorer's older name
+    rows = gate.validate_suite_file("prompts.jsonl", '{"prompt": "p", "expected": ["a", "b"], "scorer": {"name": "regex", "pattern": "is (\\\\w+)"}}\n')
+    assert rows[0]["expected"] == ["a", "b"] and rows.lines == [1]
     assert gate.validate_suite_file("notes.md", "anything") is None
+
+
+def test_suite_default_scorer_is_checked_against_the_prompts_it_will_judge(ws_root):
+    """A numeric suite default over a non-number answer is refused on whichever file is written second."""
+    ws = Workspace.from_env()
+    (ws.experiments_dir / "exp").mkdir(parents=True)
+    pc = PhaseContext.for_role("eval-engineer")
+    gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "2+2?", "expected": "4"}\n{"prompt": "Capital?", "expected": "Paris"}\n')
+    with pytest.raises(BadInput) as e:
+        gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: numeric\n")
+    assert e.value.where == "eval/prompts.jsonl:2: expected"
+    assert not (ws.experiments_dir / "exp" / "eval" / "eval.yaml").exists()
+    # the same row naming its own scorer is fine, and rows inherit the default's options
+    gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "2+2?", "expected": "4"}\n{"prompt": "Capital?", "expected": "Paris", "scorer": "contains"}\n')
+    gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: {name: numeric, tolerance: 0.5}\nthresholds: {max_kl: 0.2, max_perplexity_ratio: 1.1}\n")
+    suite = gate.load_suite(ws.experiments_dir / "exp")
+    assert [s.label() for s in suite["scorers"]] == ["numeric(tolerance=0.5)", "contains"]
+    # a line naming the default's scorer without its required option takes the default's; with no such default it is refused
+    gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: {name: regex, pattern: 'is (\\w+)'}\n")
+    gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "Capital?", "expected": "Paris", "scorer": {"name": "regex", "ignore_case": false}}\n')
+    assert gate.load_suite(ws.experiments_dir / "exp")["scorers"][0].options == {"pattern": "is (\\w+)", "ignore_case": False}
+    with pytest.raises(BadInput) as e:
+        gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: contains\n")
+    assert e.value.where == "eval/prompts.jsonl:1: scorer.pattern"
+    # without drift.jsonl the shipped general prompts serve; the shipped text has its licence beside it
+    assert suite["drift_source"] == "shipped general-prompts.jsonl" and len(suite["drift_prompts"]) == 12
+    licence = (gate.GENERAL_TEXT.parent / "general-text.LICENSE.md").read_text()
+    assert licence.startswith("# general-text.txt: source and licence") and "**Licence: public domain.**" in licence
 
 
 def test_write_eval_file_stays_in_eval_and_leaves_nothing_on_bad_input(ws_root):

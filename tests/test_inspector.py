@@ -42,7 +42,7 @@ def test_stdio_tools_list_and_call(ws_root, tmp_path):
 
 def test_http_with_and_without_token(http_server):  # noqa: F811
     url, _ = http_server
-    p = inspector(url, "--transport", "http", "--method", "tools/list", "--header", "Authorization: Bearer tok-eval-456")
+    p = inspector(url, "--transport", "http", "--method", "tools/list", "--header", "Authorization: Bearer tok-eval-0123456789abcdef")
     assert p.returncode == 0, p.stderr
     assert {t["name"] for t in json.loads(p.stdout)["tools"]} == EVAL_TOOLS
     p = inspector(url, "--transport", "http", "--method", "tools/list")

@@ -81,8 +81,8 @@ def run(observation: dict, model: dict, skills, brief=TINY_BRIEF) -> dict:
 
 # ---------------------------------------------------------------- replays of recorded / constructed machines
 
-ALL_PASS_G = {f"G{i}": "pass" for i in range(1, 8)}
-ALL_PASS_N = {f"N{i}": "pass" for i in range(1, 8)}
+ALL_PASS_G = {**{f"G{i}": "pass" for i in range(1, 8)}, "T1": "pass"}
+ALL_PASS_N = {**{f"N{i}": "pass" for i in range(1, 8)}, "T1": "pass"}
 
 
 @pytest.mark.parametrize(
@@ -94,7 +94,7 @@ ALL_PASS_N = {f"N{i}": "pass" for i in range(1, 8)}
         ("old-driver.json", "generic-nvidia", "blocked", {**ALL_PASS_N, "N1": "fail", "N2": "fail", "N5": "warn"}),
         ("full-disk.json", "generic-nvidia", "blocked", {**ALL_PASS_N, "N4": "fail"}),
         ("missing-cuda-build.json", "generic-nvidia", "blocked", {**ALL_PASS_N, "N2": "fail", "N6": "warn"}),
-        ("cpu-this-machine.json", "cpu", "ready", {"N3": "pass", "N4": "pass", "N6": "pass", "N7": "pass", "C1": "pass"}),
+        ("cpu-this-machine.json", "cpu", "ready", {"N3": "pass", "N4": "pass", "N6": "pass", "N7": "pass", "C1": "pass", "T1": "pass"}),
     ],
 )
 def test_replay_gives_platform_checks_and_verdict(fixture, platform, verdict, statuses, skills, tmp_path):
@@ -196,13 +196,38 @@ def test_missing_model_blocks(skills):
     assert r["statuses"]["N3"] == "fail" and r["verdict"] == "blocked"
 
 
-def test_cpu_qlora_and_big_models_warn(skills, tmp_path):
+def test_cpu_qlora_warns(skills, tmp_path):
     r = run(obs("cpu-this-machine.json"), tiny_model(tmp_path), skills, {**TINY_BRIEF, "method": "sft-qlora"})
     assert r["statuses"]["C1"] == "warn" and "SFT-LoRA" in r["by_id"]["C1"].remediation
-    r = run(obs("cpu-this-machine.json"), {"name": "big", "config": memory.model_shape({
-        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-        "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "model_type": "qwen2"})}, skills)
-    assert r["statuses"]["C1"] == "warn"
+
+
+SHAPE = {"micro_batch": 2, "grad_accum": 4, "epochs": 3.0, "max_steps": -1, "lora_r": 16, "lora_targets": ["q", "k", "v", "o"],
+         "max_seq_length": 512, "tokens_per_sequence": 379, "sequences_per_example": 1, "reference_forward": False,
+         "train_rows": 57, "gradient_checkpointing": False}
+PROBE = {"device": "cpu", "steps": 3, "first_step_s": 5.0, "s_per_micro_step": 3.5, "batch_shape": [2, 379], "peak_gb": 4.1}
+
+
+def test_time_estimate_is_steps_times_measured_seconds(skills, tmp_path):
+    """3 epochs x ceil(57 / (2 x 4)) = 24 steps of 4 x 3.5 s, plus the first step: 341 s."""
+    o = {**obs("cpu-this-machine.json"), "model": tiny_model(tmp_path), "step_probe": PROBE}
+    r = P.evaluate(o, {**TINY_BRIEF, "time_budget_s": None}, skills, SHAPE)
+    t = r["time_estimate"]
+    assert (t["steps"], t["s_per_step"], t["wall_s"]) == (24, 14.0, 24 * 14.0 + 5.0)
+    assert next(c for c in r["checks"] if c.id == "T1").status == "pass"
+    # The same run against a 5-minute budget warns, and the remedy names the ways to shorten it.
+    r = P.evaluate(o, {**TINY_BRIEF, "time_budget_s": 300}, skills, SHAPE)
+    t1 = next(c for c in r["checks"] if c.id == "T1")
+    assert t1.status == "warn" and "max_steps" in t1.remediation and r["time_estimate"]["within_budget"] is False
+    # max_steps caps the run: 10 steps.
+    r = P.evaluate(o, {**TINY_BRIEF, "time_budget_s": 300}, skills, {**SHAPE, "max_steps": 10})
+    assert r["time_estimate"]["steps"] == 10 and next(c for c in r["checks"] if c.id == "T1").status == "pass"
+
+
+def test_memory_estimate_uses_the_shape(skills, tmp_path):
+    """The shape's micro batch and the data's longest sequence, not micro batch 1 at max_seq_length."""
+    o = {**obs("cpu-this-machine.json"), "model": tiny_model(tmp_path)}
+    est = P.evaluate(o, TINY_BRIEF, skills, SHAPE)["memory_estimate"]
+    assert (est["micro_batch_size"], est["tokens_per_sequence"], est["lora_r"]) == (2, 379, 16)
 
 
 # ---------------------------------------------------------------- arch coverage (CUDA binary compatibility)
@@ -236,7 +261,9 @@ def test_llama_8b_counts(skills):
     assert memory.param_counts(s)["total"] == 8_030_261_248  # the published parameter count
     assert memory.lora_params(s, 16, ["q", "k", "v", "o", "gate", "up", "down"]) == 41_943_040  # PEFT's trainable count
     est = memory.estimate(llama_8b(), "sft-lora", 2048, "dgx-spark", skills.table("spark-preflight", "memory"))
-    assert est["k_bytes_per_token_hidden_layer"] == 41.0
+    # 2 bytes x (8 + (2q + 2kv + 4i + the adapted projections' outputs) / h), skill spark-preflight#memory-estimate:
+    # q = 4096, kv = 1024, i = 14336; adapted outputs q + k + v + o + gate + up + down = 43008.
+    assert est["k_bytes_per_token_hidden_layer"] == 2 * (8 + (2 * 4096 + 2 * 1024 + 4 * 14336 + 43008) / 4096) == 70.0
     assert 16.0 < est["gb"]["weights"] < 16.2  # 2 bytes x 8.03e9
 
 
@@ -328,7 +355,7 @@ def test_real_probe_here_reports_cpu_and_records_a_replayable_observation(ws_roo
     res = P.preflight(pc, EXPERIMENT)
 
     assert res.platform == "cpu"
-    assert [c.id for c in res.checks] == ["N3", "N4", "N6", "N7", "C1"]
+    assert [c.id for c in res.checks] == ["N3", "N4", "N6", "N7", "C1", "T1"]
     assert res.verdict == {"pass": "ready", "warn": "ready-with-warnings", "fail": "blocked"}[
         max((c.status for c in res.checks), key=["pass", "warn", "fail"].index)]
     # The training stack of this repository is installed in the training Python, so N6 must pass here.
@@ -381,7 +408,7 @@ def test_preflight_through_mcp_replays_a_gb10(ws_root):
     assert not res.is_error, res.content[0].text
     sc = res.structured_content
     assert sc["platform"] == "dgx-spark" and sc["verdict"] == "ready"
-    assert [c["id"] for c in sc["checks"]] == [f"G{i}" for i in range(1, 8)]
+    assert [c["id"] for c in sc["checks"]] == [f"G{i}" for i in range(1, 8)] + ["T1"]
     assert "spark-preflight#memory-estimate" in sc["citations"]
     text = res.content[0].text
     assert text.startswith("preflight ready on dgx-spark (spark-replay, replayed)") and "[PASS] G2" in text

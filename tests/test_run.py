@@ -397,7 +397,8 @@ def test_script_without_our_callback_is_read_from_stdout(ws_root, tiny_model_dir
 
 def test_each_refusal(ws_root, tiny_model_dir, tmp_path):
     exp = make_experiment(tiny_model_dir, script="sleeper.py", runs={"a": {"sleeper": {"seconds": 120}},
-                                                                    "b": {"sleeper": {"seconds": 120}}})
+                                                                    "b": {"sleeper": {"seconds": 120}},
+                                                                    "ratio": {"training": {"logging_steps": 0.1}}})
     ws = Workspace.from_env()
     report = (exp / "env-report.json").read_text()
 
@@ -420,6 +421,7 @@ def test_each_refusal(ws_root, tiny_model_dir, tmp_path):
             out["d_modified"] = await refused(s, "launch_run", args)
             (exp / "train.py").write_bytes(saved)
 
+            out["ratio"] = await refused(s, "launch_run", {"experiment": EXP, "tag": "ratio"})
             out["docker"] = await refused(s, "launch_run", {**args, "launcher": "docker"})
             out["docker_left"] = sorted(p.name for p in (ws.output_root / EXP).glob("*")) if (ws.output_root / EXP).exists() else []
 
@@ -439,6 +441,8 @@ def test_each_refusal(ws_root, tiny_model_dir, tmp_path):
     assert "ready-with-warnings" in out["c"] and "N7 thermal" in out["c"] and "accept_warnings=true" in out["c"]
     assert "run-new.yaml is not committed" in out["d_untracked"]
     assert "train.py has changed since its last commit" in out["d_modified"]
+    # A logging ratio with no max_steps to take it of: the reader could not number a printed log's records.
+    assert "share of the run" in out["ratio"] and "configs/run-ratio.yaml" in out["ratio"] and "max_steps" in out["ratio"]
     assert "no Docker engine is reachable" in out["docker"] and "docker run" in out["docker"]
     assert out["docker_left"] == []  # a refused launch leaves nothing behind
     assert out["accepted"]["warnings_accepted"] and "N7 thermal" in out["accepted"]["warnings_accepted"][0]

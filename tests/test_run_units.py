@@ -20,6 +20,7 @@ from finetune_mcp.digest import folder_digest
 from finetune_mcp.errors import BadInput, Refused
 from finetune_mcp.launchers.base import RunSpec
 from finetune_mcp.launchers.docker import DockerLauncher
+from finetune_mcp.phases import progress, run_state
 from finetune_mcp.phases import run as R
 
 RUNWRAP = Path(R.__file__).resolve().parent.parent / "launchers" / "runwrap.py"
@@ -50,10 +51,7 @@ def make_run(pc, lines: str | bytes = "", *, run_json: dict | None = None, exit:
 
 def fresh_server():
     """What a newly started server knows about runs: nothing."""
-    R._CACHE.clear()
-    R._NOTED.clear()
-    R._RUN_CONFIG.clear()
-    R._WRITES_PROGRESS.clear()
+    R.forget()
 
 
 def me() -> dict:
@@ -115,7 +113,7 @@ def test_bad_cursors_are_refused_with_the_fix(pc):
 
 def test_nan_inf_and_spike_anomalies(pc):
     # The spike rule is triage's (dgx-spark-ops failure-signals table), so a poll and a triage agree.
-    k = R.spike_rule(pc).factor
+    k = progress.spike_rule(pc.skills).factor
     body = "".join(rec(i, 1.0 + 0.01 * (i % 3)) for i in range(1, 11))
     body += rec(11, float("nan")) + rec(12, float("inf")) + rec(13, 1.5 * k) + rec(14, 1.0) + rec(15, 0.9 * k)
     run_id, _ = make_run(pc, body, exit=DONE)
@@ -130,7 +128,7 @@ def test_nan_inf_and_spike_anomalies(pc):
 def test_a_new_server_sees_the_same_records_and_anomalies(pc):
     # The spike sits right after the cursor: a server that has not followed the run must look back for the window.
     body_a = "".join(rec(i, 1.0) for i in range(1, 31))
-    body_b = rec(31, 2.0 * R.spike_rule(pc).factor) + "".join(rec(i, 1.0) for i in range(32, 36))
+    body_b = rec(31, 2.0 * progress.spike_rule(pc.skills).factor) + "".join(rec(i, 1.0) for i in range(32, 36))
     run_id, _ = make_run(pc, body_a + body_b, exit=DONE)
     first = R.poll_progress(pc, run_id, limit=30)
     warm = R.poll_progress(pc, run_id, cursor=first.next_cursor)

@@ -17,9 +17,9 @@ import pytest
 
 from conftest import REPO, mcp_session, server_command
 
-TRAINING_TOOLS = {"prepare_dataset", "preflight", "generate_config", "launch_run", "poll_progress", "stop_run",
+TRAINING_TOOLS = {"prepare_dataset", "preflight", "generate_config", "launch_run", "poll_progress", "compare_runs", "stop_run",
                   "prune_checkpoints", "triage_failure", "export"}
-EVAL_TOOLS = {"evaluate_checkpoint", "record_verdict", "write_eval_file", "poll_progress"}
+EVAL_TOOLS = {"evaluate_checkpoint", "record_verdict", "write_eval_file", "poll_progress", "compare_runs"}
 HEAVY = ("torch", "transformers", "trl", "peft", "datasets", "unsloth", "accelerate")
 
 
@@ -110,7 +110,7 @@ def _free_port() -> int:
 def http_server(ws_root, tmp_path):
     port = _free_port()
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text("training-engineer: [tok-train-123]\neval-engineer: [tok-eval-456]\n")
+    tokens.write_text("training-engineer: [tok-train-0123456789abcdef]\neval-engineer: [tok-eval-0123456789abcdef]\n")
     errlog = tmp_path / "server.err"
     proc = subprocess.Popen(server_command() + ["serve", "--transport", "http", "--port", str(port), "--tokens-file", str(tokens)],
                             stdout=subprocess.DEVNULL, stderr=open(errlog, "w"))
@@ -140,8 +140,8 @@ def test_http_bearer_tokens_map_to_roles(http_server):
                     return {t.name for t in (await s.list_tools()).tools}
 
     async def main():
-        assert await tools_for("tok-train-123") == TRAINING_TOOLS
-        assert await tools_for("tok-eval-456") == EVAL_TOOLS
+        assert await tools_for("tok-train-0123456789abcdef") == TRAINING_TOOLS
+        assert await tools_for("tok-eval-0123456789abcdef") == EVAL_TOOLS
 
     anyio.run(main)
     body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
@@ -149,7 +149,7 @@ def test_http_bearer_tokens_map_to_roles(http_server):
     assert httpx.post(url, json=body, headers=hdr).status_code == 401
     r = httpx.post(url, json=body, headers={**hdr, "Authorization": "Bearer wrong"})
     assert r.status_code == 401 and "Bearer" in r.headers["www-authenticate"]
-    assert "tok-train-123" not in errlog.read_text() and "tok-eval-456" not in errlog.read_text()
+    assert "tok-train-0123456789abcdef" not in errlog.read_text() and "tok-eval-0123456789abcdef" not in errlog.read_text()
 
 
 def test_wheel_ships_roles_and_skills(tmp_path):
@@ -170,3 +170,40 @@ def test_wheel_ships_roles_and_skills(tmp_path):
     lines = p.stdout.split()
     assert lines[0] == str(site / "finetune_mcp" / "_data" / "skills")
     assert int(lines[1]) >= 1 and lines[2] == "eval-engineer"
+
+
+def test_every_tool_row_is_one_hop_from_its_phase_function():
+    # The start-up check reads sources only (the server imports no phase module before a call); here every
+    # module is imported and each function's keywords must be exactly its row's input model.
+    import typing
+
+    from finetune_mcp import tools
+    from finetune_mcp.guard import load_policy
+
+    assert set(tools.NAMES) == set(load_policy("training-engineer").tools) | set(load_policy("eval-engineer").tools)
+    for t in tools.TOOLS:
+        fn = t.function()
+        assert fn.__module__ == t.module and fn.__name__ == t.name, t
+        assert tools.signature_mismatch(t) is None, tools.signature_mismatch(t)
+        ret = typing.get_type_hints(fn).get("return")
+        assert ret in (None, t.result), (t.name, ret)
+
+
+def test_a_table_row_that_misses_its_code_stops_the_server_at_start(ws_root, monkeypatch):
+    import dataclasses
+
+    from finetune_mcp import tools
+    from finetune_mcp.app import build_server
+    from finetune_mcp.errors import FtError
+
+    bad = [dataclasses.replace(t, name="launch_runn") if t.name == "launch_run" else t for t in tools.TOOLS]
+    monkeypatch.setattr(tools, "TOOLS", tuple(bad))
+    with pytest.raises(FtError) as e:
+        build_server("training-engineer")
+    text = str(e.value)
+    assert "launch_runn" in text and "defines no top-level `def launch_runn(pc, ...)`" in text
+    assert "the policy allows ['launch_run']" in text
+    moved = [dataclasses.replace(t, phase="runs") if t.name == "stop_run" else t for t in tools.TOOLS]
+    monkeypatch.setattr(tools, "TOOLS", tuple(moved))
+    with pytest.raises(FtError, match=r"stop_run: module finetune_mcp.phases.runs does not exist"):
+        build_server("training-engineer")

@@ -14,7 +14,7 @@ from finetune_mcp.skills import Skills, load_skills
 from finetune_mcp.skilltables import TABLES
 
 EXPECTED = {"dataset-curation", "spark-preflight", "dgx-spark-ops", "lora-qlora-recipes", "preference-optimization",
-            "grpo-rlvr-training", "vision-sft", "quantized-export"}
+            "grpo-rlvr-training", "vision-sft", "quantized-export", "eval-gate"}
 ANCHOR_RE = re.compile(r"^([a-z0-9-]+)#([A-Za-z0-9_.-]+)$")
 
 

@@ -58,6 +58,7 @@ CONFIGS = {
     "stopme": {**FAST, "max_steps": 2000, "save_steps": 1000},
     "held": {**FAST, "max_steps": 2},
     "queued": {**FAST, "max_steps": 2},
+    "requeue": {**FAST, "max_steps": 160, "save_steps": 40},
 }
 # The fixture experiment's run configs: step_sleep keeps a run alive without using the CPU, and a
 # data file that does not exist makes a run fail the way a lost dataset does.
@@ -215,7 +216,7 @@ def test_sft_run_submitted_to_slurm_succeeds_with_records_and_verified_adapter(w
     # The job script is kept with the run, with the resources asked for and the logs in the run dir.
     sb = (R / "slurm.sbatch").read_text()
     for line in ("#SBATCH --time=00:10:00", "#SBATCH --partition=debug", "#SBATCH --nodes=1", f"#SBATCH --chdir={R}",
-                 f"#SBATCH --output={R}/logs/stdout.log", "#SBATCH --no-requeue"):
+                 f"#SBATCH --output={R}/logs/stdout.log", "#SBATCH --requeue"):
         assert line in sb
     assert "srun" not in sb and "torch.distributed.run" not in sb, "one process needs no srun/torchrun"
     assert json.loads((R / "run.json").read_text())["job_id"] == job_id
@@ -392,6 +393,44 @@ def test_stop_run_scancels_and_the_run_reads_stopped(world):
     assert world.cluster.job(job_id)["JobState"] in ("CANCELLED", "FAILED", "COMPLETED")
     assert tri["failure_class"] != "oom", tri
     world.timings["stop_s"] = time.monotonic() - t0
+
+
+@pytest.mark.slurm
+def test_a_requeued_job_resumes_from_its_checkpoint_without_losing_or_repeating_a_record(world):
+    # `scontrol requeue` ends the running job and queues it again, as preemption or a node failure does; the
+    # same batch script runs again in the same run directory.
+    t0 = time.monotonic()
+    launched = world.launch("requeue")
+    run_id, job_id = launched["run_id"], launched["job_id"]
+    R = world.run_dir(run_id)
+    assert "#SBATCH --requeue" in (R / "slurm.sbatch").read_text()
+
+    async def main():
+        async with world.session() as s:
+            def past_checkpoint(r):
+                return (R / "checkpoints" / "checkpoint-40" / "trainer_state.json").is_file() and (r["last"] or {}).get("step", 0) > 45
+
+            await poll_until(s, run_id, past_checkpoint, timeout=300, every=0.5)
+            p = world.cluster.client("scontrol", "requeue", job_id)
+            assert p.returncode == 0, p.stderr
+            # Slurm holds a requeued job back for a while (its begin time moves ahead); the test need not wait it out.
+            end = time.monotonic() + 60
+            while world.cluster.job(job_id).get("JobState") not in ("PENDING", "REQUEUED") and time.monotonic() < end:
+                await anyio.sleep(0.5)
+            world.notes["requeue_pending"] = world.cluster.job(job_id).get("Reason", "?")
+            world.cluster.client("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+            last, records, seen = await poll_until(s, run_id, lambda r: r["status"] in TERMINAL, timeout=600)
+            return last, records, seen
+
+    last, records, seen = anyio.run(main)
+    assert last["status"] == "succeeded", (last, (R / "logs" / "stdout.log").read_text()[-3000:])
+    assert [r["step"] for r in records] == list(range(1, 161))  # none lost, none written twice
+    resumes = [json.loads(l) for l in (R / "logs" / "resumes.jsonl").read_text().splitlines()]
+    assert len(resumes) == 1 and resumes[0]["step"] >= 40 and resumes[0]["attempt"] >= 1, resumes
+    assert (R / "logs" / "exit-attempt-1.json").is_file()  # the first attempt's end, kept as history
+    assert json.loads((R / "exit.json").read_text())["returncode"] == 0
+    assert "**requeued-1**" in (R / "roadbook.md").read_text()
+    world.timings["requeue_s"] = time.monotonic() - t0
 
 
 @pytest.mark.slurm

@@ -1,51 +1,33 @@
-"""Builds the MCP server for one role: only that role's tools, resources and prompt; one error boundary."""
+"""Builds the MCP server for one role from the tool table (tools.py): that role's tools, resources and prompt; one error boundary."""
 
 from __future__ import annotations
 
 import functools
 import hmac
-import importlib
 import inspect
 import json
 import logging
 import traceback
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable
 
 import anyio
 import yaml
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
-from mcp_types import CallToolResult, ImageContent, TextContent, ToolAnnotations
+from mcp_types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 from finetune_mcp import __version__, schemas as S
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.errors import FtError
-from finetune_mcp.guard import Guard, RolePolicy, load_policy
+from finetune_mcp.errors import BadInput, FtError, NotFound
+from finetune_mcp.guard import Guard, load_policy
 from finetune_mcp.shipped import shipped_dir
+from finetune_mcp.tools import Tool, arg_parameters, check_table
 from finetune_mcp.workspace import Workspace
 
 log = logging.getLogger("finetune_mcp")
-
-RO = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
-
-
-def _ann(*, destructive: bool, idempotent: bool) -> ToolAnnotations:
-    return ToolAnnotations(read_only_hint=False, destructive_hint=destructive, idempotent_hint=idempotent, open_world_hint=False)
-
-
-def _phase(module: str, name: str) -> Callable[..., Any]:
-    # Phase modules load on first call (inside the error boundary), so the server starts with only
-    # what it needs to list tools.
-    def run(*args, **kwargs):
-        path = module if module.startswith("finetune_mcp.") else f"finetune_mcp.phases.{module}"
-        return getattr(importlib.import_module(path), name)(*args, **kwargs)
-
-    run.__name__ = name
-    return run
-
 
 def render_text(result: S.Result) -> str:
     body = result.text()
@@ -55,7 +37,7 @@ def render_text(result: S.Result) -> str:
     return body
 
 
-async def call_phase(pc: PhaseContext, ctx: Context | None, tool: str, fn: Callable[..., S.Result], /, **kwargs) -> CallToolResult:
+async def call_phase(pc: PhaseContext, ctx: Context | None, tool: Tool, /, **kwargs) -> CallToolResult:
     """The one error boundary: our errors become tool errors whose text says what, where and what next."""
 
     def progress(done: float, total: float | None = None, message: str | None = None) -> None:
@@ -66,12 +48,13 @@ async def call_phase(pc: PhaseContext, ctx: Context | None, tool: str, fn: Calla
                 pass
 
     try:
+        fn = tool.function()  # the phase module is imported here, on the tool's first call
         result = await anyio.to_thread.run_sync(functools.partial(fn, pc.with_progress(progress), **kwargs))
     except FtError as e:
         raise ToolError(str(e)) from None
     except Exception as e:
-        log.error("tool %s crashed:\n%s", tool, traceback.format_exc())
-        raise ToolError(f"internal error in {tool}: {type(e).__name__}: {e}. This is a finetune-mcp bug; the server log has the traceback.") from None
+        log.error("tool %s crashed:\n%s", tool.name, traceback.format_exc())
+        raise ToolError(f"internal error in {tool.name}: {type(e).__name__}: {e}. This is a finetune-mcp bug; the server log has the traceback.") from None
     content: list[Any] = [TextContent(type="text", text=render_text(result))]
     image = getattr(result, "_image_png", None)
     if image:
@@ -81,173 +64,33 @@ async def call_phase(pc: PhaseContext, ctx: Context | None, tool: str, fn: Calla
     return CallToolResult(content=content, structured_content=result.model_dump(mode="json"))
 
 
+def _mcp_function(pc: PhaseContext, tool: Tool) -> Callable[..., Any]:
+    """The coroutine the SDK registers for a row: the row's input model as its keywords, its result as its output."""
+
+    async def call(ctx: Context | None = None, **kwargs):
+        return await call_phase(pc, ctx, tool, **kwargs)
+
+    params = arg_parameters(tool.args)
+    ret = Annotated[CallToolResult, tool.result]
+    call.__signature__ = inspect.Signature(
+        params + [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Context)], return_annotation=ret)
+    call.__annotations__ = {**{p.name: p.annotation for p in params}, "ctx": Context, "return": ret}
+    call.__name__ = call.__qualname__ = tool.name
+    return call
+
+
 def build_server(role: str, ws: Workspace | None = None, data_dirs: list[Path] | None = None) -> MCPServer:
     policy = load_policy(role)
+    rows = check_table(role, policy.tools, where=f"roles/{role}.yaml")
     ws = ws or Workspace.from_env()
     pc = PhaseContext(ws, Guard(policy, ws, data_dirs))
-    roles_dir = shipped_dir("roles")
-    prompt_text = (roles_dir / policy.prompt).read_text(encoding="utf-8")
-    server = MCPServer(
-        name=f"finetune-mcp-{role}",
-        title=f"finetune-mcp ({role})",
-        version=__version__,
-        instructions=policy.summary,
-    )
-    allowed = set(policy.tools)
-
-    def tool(name: str, annotations: ToolAnnotations, title: str):
-        def deco(fn):
-            if name in allowed:
-                server.add_tool(fn, name=name, title=title, annotations=annotations, description=inspect.cleandoc(fn.__doc__ or ""))
-            return fn
-
-        return deco
-
-    # ---------------------------------------------------------------- training-engineer tools
-
-    @tool("prepare_dataset", _ann(destructive=False, idempotent=True), "Phase 2: prepare and validate the dataset")
-    async def prepare_dataset(
-        brief_path: Annotated[str, Field(description="the training-brief.md to execute")],
-        source: Annotated[str, Field(description="JSONL/JSON/Parquet/CSV file or folder, a save_to_disk folder, or an HF dataset id: org/name, org/name:split or org/name:config:split")],
-        dataset_name: Annotated[str | None, Field(description="name under $DGX_SPARK_ROOT/datasets/ (default: from the experiment)")] = None,
-        eval_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.05,
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.PrepareDatasetResult]:
-        """Open the experiment from a training brief, then load, validate, template, pack and describe its dataset.
-
-        Applies the chat template before packing, decodes packed samples with the trained spans
-        marked, writes the dataset card and validation report, runs the collapse guard, and walks
-        the Phase 2 exit checklist (`complete` is false unless every item holds)."""
-        return await call_phase(pc, ctx, "prepare_dataset", _phase("dataset", "prepare_dataset"),
-                                brief_path=brief_path, source=source, dataset_name=dataset_name, eval_fraction=eval_fraction)
-
-    @tool("preflight", _ann(destructive=False, idempotent=True), "Phase 3: check the machine")
-    async def preflight(
-        experiment: Annotated[str, Field(description="experiment name returned by prepare_dataset")],
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.PreflightResult]:
-        """Probe driver, GPU, memory, disk, thermals and the training stack; write env-report.json with
-        verdict ready / ready-with-warnings / blocked (DGX Spark G-checks, else the generic fallback)."""
-        return await call_phase(pc, ctx, "preflight", _phase("preflight", "preflight"), experiment=experiment)
-
-    @tool("generate_config", _ann(destructive=False, idempotent=False), "Phase 4: resolve the config and train.py, commit them")
-    async def generate_config(
-        experiment: str,
-        tag: Annotated[str, Field(description="what this run varies, e.g. r16-lr2e4; names configs/run-<tag>.yaml and the run id")],
-        backend: Literal["auto", "unsloth", "trl"] = "auto",
-        overrides: Annotated[dict[str, Any], Field(description="values for keys of the chosen method's recipe only")] = {},
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.GenerateConfigResult]:
-        """Resolve the chosen method's recipe with the brief and memory budget (every value says where it came
-        from), render train.py for the backend (Unsloth first, TRL+PEFT escape hatch) and commit config + script."""
-        return await call_phase(pc, ctx, "generate_config", _phase("config", "generate_config"),
-                                experiment=experiment, tag=tag, backend=backend, overrides=overrides)
-
-    @tool("launch_run", _ann(destructive=False, idempotent=False), "Phase 4: launch training in the background")
-    async def launch_run(
-        experiment: str,
-        tag: str,
-        accept_warnings: Annotated[bool, Field(description="launch despite a ready-with-warnings preflight (the caller's decision)")] = False,
-        launcher: Literal["local", "torchrun", "docker", "slurm"] = "local",
-        nproc: Annotated[int, Field(ge=1, le=64)] = 1,
-        nodes: Annotated[int, Field(ge=1, le=64)] = 1,
-        gpus_per_node: int | None = None,
-        partition: str | None = None,
-        time_limit: Annotated[str | None, Field(description="Slurm time limit, e.g. 01:00:00")] = None,
-        account: str | None = None,
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.LaunchResult]:
-        """Start the committed config as a detached run that outlives this server. Refuses without a preflight,
-        on blocked, on unaccepted warnings, on an uncommitted or changed config, on a busy GPU, on an existing run id."""
-        return await call_phase(pc, ctx, "launch_run", _phase("run", "launch_run"),
-                                experiment=experiment, tag=tag, accept_warnings=accept_warnings, launcher=launcher, nproc=nproc,
-                                nodes=nodes, gpus_per_node=gpus_per_node, partition=partition, time_limit=time_limit, account=account)
-
-    @tool("poll_progress", RO, "Poll a run's progress")
-    async def poll_progress(
-        run_id: Annotated[str, Field(description="<experiment>/<YYYYMMDD-HHMM-tag>")],
-        cursor: Annotated[int, Field(ge=0, description="next_cursor of the previous call, unchanged; 0 from the start")] = 0,
-        limit: Annotated[int, Field(ge=1, le=5000)] = 200,
-        plot: Annotated[bool, Field(description="also return the loss curve as a PNG image")] = False,
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.PollResult]:
-        """Records since the cursor, each exactly {step, loss, lr, mem_gb, temp_c}; the run status with exit
-        code or signal; anomalies (NaN/inf loss, spikes, stalls); and the next cursor.
-
-        The cursor is a byte offset into the run's record log (logs/progress.jsonl; logs/stdout.log for a
-        script without our progress callback), always at a line boundary: a poll reads only what was written
-        after it, and the same cursor gives the same records from any server, also after a restart. Keep
-        polling with next_cursor; `more` says records are waiting past `limit`. A client that sends a
-        progress token gets a notification with the latest step and loss."""
-        return await call_phase(pc, ctx, "poll_progress", _phase("run", "poll_progress"), run_id=run_id, cursor=cursor, limit=limit, plot=plot)
-
-    @tool("stop_run", _ann(destructive=True, idempotent=True), "Stop a run cleanly")
-    async def stop_run(
-        run_id: str,
-        grace_seconds: Annotated[float, Field(ge=0, le=600)] = 30.0,
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.StopResult]:
-        """SIGTERM to the run's process group (the trainer saves a checkpoint), then SIGKILL after the grace period."""
-        return await call_phase(pc, ctx, "stop_run", _phase("run", "stop_run"), run_id=run_id, grace_seconds=grace_seconds)
-
-    @tool("prune_checkpoints", _ann(destructive=True, idempotent=True), "Delete a succeeded run's checkpoints")
-    async def prune_checkpoints(run_id: str, ctx: Context = None) -> Annotated[CallToolResult, S.PruneResult]:
-        """Delete checkpoints/ of a run that succeeded and whose adapter/ verifies against its digest. adapter/ is never touched."""
-        return await call_phase(pc, ctx, "prune_checkpoints", _phase("run", "prune_checkpoints"), run_id=run_id)
-
-    @tool("triage_failure", RO, "Classify a failed run or log")
-    async def triage_failure(
-        run_id: Annotated[str | None, Field(description="a run of ours")] = None,
-        log_path: Annotated[str | None, Field(description="any training log file")] = None,
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.TriageResult]:
-        """Diagnose the failure class (environment / divergence / oom / none) with verbatim evidence lines, then the
-        response: the preflight check to re-run, the ordered divergence causes, or the next OOM-ladder rung."""
-        return await call_phase(pc, ctx, "triage_failure", _phase("finetune_mcp.triage", "triage_failure"), run_id=run_id, log_path=log_path)
-
-    @tool("export", _ann(destructive=False, idempotent=True), "Phase 6: export a promoted run")
-    async def export(
-        run_id: str,
-        format: Literal["lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"] | None = None,
-        target_runtime: Literal["transformers", "vllm", "llama.cpp", "ollama"] | None = None,
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.ExportResult]:
-        """Export only under a valid signed PROMOTE for this run's adapter; always smoke-tests the artifact in its
-        target runtime against 3-5 golden outputs. A REJECT is passed along with its evidence and remediation."""
-        return await call_phase(pc, ctx, "export", _phase("export", "export"), run_id=run_id, format=format, target_runtime=target_runtime)
-
-    # ---------------------------------------------------------------- eval-engineer tools
-
-    @tool("evaluate_checkpoint", _ann(destructive=False, idempotent=True), "Phase 5: evaluate a run")
-    async def evaluate_checkpoint(run_id: str, ctx: Context = None) -> Annotated[CallToolResult, S.EvalResult]:
-        """Run the experiment's eval/ suite (expected answers, goldens, drift prompts) against the run's adapter and
-        the base model; report task accuracy, eval loss and drift against the brief's thresholds."""
-        return await call_phase(pc, ctx, "evaluate_checkpoint", _phase("gate", "evaluate_checkpoint"), run_id=run_id)
-
-    @tool("record_verdict", _ann(destructive=False, idempotent=False), "Phase 5: sign PROMOTE or REJECT")
-    async def record_verdict(
-        run_id: str,
-        verdict: Literal["PROMOTE", "REJECT"],
-        evidence: Annotated[str, Field(min_length=1, description="what the verdict rests on (figures, eval report)")],
-        top_remediation: Annotated[str, Field(description="for REJECT: the one change to try first")] = "",
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.VerdictResult]:
-        """Write the run's promotion-report.md, signed (Ed25519) over run id, adapter digest, verdict and evidence digest."""
-        return await call_phase(pc, ctx, "record_verdict", _phase("gate", "record_verdict"),
-                                run_id=run_id, verdict=verdict, evidence=evidence, top_remediation=top_remediation)
-
-    @tool("write_eval_file", _ann(destructive=True, idempotent=True), "Write a file of an experiment's eval/ suite")
-    async def write_eval_file(
-        experiment: str,
-        relpath: Annotated[str, Field(description="path inside eval/, e.g. prompts.jsonl, goldens.jsonl, drift.jsonl, eval.yaml")],
-        content: str,
-        ctx: Context = None,
-    ) -> Annotated[CallToolResult, S.WriteEvalFileResult]:
-        """Create or replace a file under the experiment's eval/ (eval-engineer only)."""
-        return await call_phase(pc, ctx, "write_eval_file", _phase("gate", "write_eval_file"), experiment=experiment, relpath=relpath, content=content)
-
+    prompt_text = (shipped_dir("roles") / policy.prompt).read_text(encoding="utf-8")
+    server = MCPServer(name=f"finetune-mcp-{role}", title=f"finetune-mcp ({role})", version=__version__, instructions=policy.summary)
+    for tool in rows:
+        server.add_tool(_mcp_function(pc, tool), name=tool.name, title=tool.title, annotations=tool.annotations,
+                        description=tool.description)
     _register_resources(server, pc)
-    _register_brief_help(server, pc, allowed)
+    _register_brief_help(server, pc, set(policy.tools))
 
     @server.prompt(name=role, title=f"{role} agent prompt", description=policy.summary)
     def role_prompt() -> str:
@@ -321,8 +164,10 @@ def _register_brief_help(server: MCPServer, pc: PhaseContext, allowed: set[str])
         from mcp.shared.exceptions import MCPError
         from mcp_types import INVALID_PARAMS
 
+        from finetune_mcp.phases.dataset import draft_brief as draft  # imported on use, like every phase module
+
         try:
-            return _phase("dataset", "draft_brief")(pc, goal=goal, base_model=base_model, data_file=data_file)
+            return draft(pc, goal=goal, base_model=base_model, data_file=data_file)
         except FtError as e:  # the SDK replaces other exceptions' text with a generic one
             raise MCPError(INVALID_PARAMS, str(e)) from None
 
@@ -338,25 +183,68 @@ def _visible(pc: PhaseContext, path: Path) -> bool:
 # ---------------------------------------------------------------- HTTP: bearer token -> role
 
 
+MIN_TOKEN_CHARS = 16  # a bearer token is a password: shorter ones are guessable (generate: `openssl rand -hex 24`)
+
+
+def _check_token(token: Any, role: Any, where: str, n: int) -> tuple[str, str]:
+    """A token and its role, or BadInput that says which entry (by position, never by content) is wrong."""
+    what = f"token #{n}"
+    if not isinstance(role, str) or not role.strip():
+        raise BadInput(f"{what} has no role name", where=where, fix="map each token to training-engineer or eval-engineer")
+    if token is None or token == "" or isinstance(token, (bool, int, float)):
+        raise BadInput(f"{what} (role {role}) is empty or not a string", where=where,
+                       fix=f"give each token as a quoted string of at least {MIN_TOKEN_CHARS} characters, e.g. from `openssl rand -hex 24`")
+    if not isinstance(token, str) or len(token.strip()) < MIN_TOKEN_CHARS or any(c.isspace() for c in token) or token.lower() in ("none", "null"):
+        raise BadInput(f"{what} (role {role}) is too weak: under {MIN_TOKEN_CHARS} characters, blank inside, or a placeholder",
+                       where=where, fix=f"use a random token of at least {MIN_TOKEN_CHARS} characters, e.g. `openssl rand -hex 24`")
+    return token, role.strip()
+
+
 def load_tokens(tokens_file: str | None, env_value: str | None) -> dict[str, str]:
-    """token -> role, from a YAML/JSON file {role: [tokens]} or {token: role}, or 'token=role,...' in the env."""
-    tokens: dict[str, str] = {}
+    """token -> role, from a YAML/JSON file {role: [tokens]} or {token: role}, or 'token=role,...' in the env.
+
+    Errors name the file and the line or entry number, never the file's content: a parse error of the
+    YAML library quotes the offending line, which may hold a secret.
+    """
+    pairs: list[tuple[Any, Any, str]] = []
     if tokens_file:
-        raw = yaml.safe_load(Path(tokens_file).read_text(encoding="utf-8")) or {}
+        path = Path(tokens_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise NotFound(f"tokens file {path} does not exist", where=str(path),
+                           fix="pass --tokens-file with the path of a YAML file {role: [token, ...]}, or set FINETUNE_MCP_TOKENS") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"tokens file {path} cannot be read ({type(e).__name__})", where=str(path),
+                           fix="make it a readable UTF-8 YAML file {role: [token, ...]}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            raise BadInput(f"tokens file is not valid YAML ({getattr(e, 'problem', None) or 'parse error'})", where=at,
+                           fix="write it as `training-engineer: [\"<token>\"]` lines, one role per line") from None
         if not isinstance(raw, dict):
-            raise FtError("tokens file must map roles to token lists (or tokens to roles)", where=tokens_file)
+            raise BadInput("tokens file must map roles to token lists (or tokens to roles)", where=str(path))
         for k, v in raw.items():
             if isinstance(v, list):
-                tokens.update({str(t): str(k) for t in v})
+                pairs += [(t, k, str(path)) for t in v]
             else:
-                tokens[str(k)] = str(v)
+                pairs.append((k, v, str(path)))
     if env_value:
         for pair in env_value.split(","):
             if pair.strip():
                 tok, _, role = pair.strip().partition("=")
                 if not role:
-                    raise FtError("FINETUNE_MCP_TOKENS entries are token=role, comma-separated", where="FINETUNE_MCP_TOKENS")
-                tokens[tok] = role
+                    raise BadInput("FINETUNE_MCP_TOKENS entries are token=role, comma-separated", where="FINETUNE_MCP_TOKENS",
+                                   fix="e.g. FINETUNE_MCP_TOKENS=<token1>=training-engineer,<token2>=eval-engineer")
+                pairs.append((tok, role, "FINETUNE_MCP_TOKENS"))
+    tokens: dict[str, str] = {}
+    for n, (tok, role, where) in enumerate(pairs, 1):
+        tok, role = _check_token(tok, role, where, n)
+        if tokens.get(tok, role) != role:
+            raise BadInput(f"token #{n} is given to two roles", where=where, fix="give each role its own token")
+        tokens[tok] = role
     return tokens
 
 

@@ -80,7 +80,7 @@ def cmd_triage(args) -> int:
 def cmd_demo(args) -> int:
     from finetune_mcp.demo import run_demo
 
-    return run_demo(root=args.root, gguf=args.gguf)
+    return run_demo(root=args.root, gguf=args.gguf, verbose=args.verbose)
 
 
 def cmd_build_tiny(args) -> int:
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="run the whole lifecycle on the embedded tiny model through real MCP sessions")
     d.add_argument("--root", help="DGX_SPARK_ROOT to use (default: a throwaway temp dir)")
     d.add_argument("--gguf", choices=["auto", "yes", "no"], default="auto", help="also export GGUF when llama.cpp is available")
+    d.add_argument("--verbose", action="store_true", help="print every progress record as poll_progress returns it (default: one progress line)")
     d.set_defaults(fn=cmd_demo)
 
     b = sub.add_parser("build-tiny-model", help="build the embedded tiny model into base-models/")

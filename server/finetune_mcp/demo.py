@@ -1,7 +1,9 @@
 """`finetune-mcp demo`: the whole lifecycle on the embedded tiny model, through real MCP sessions.
 
 Two real `finetune-mcp serve` processes (one per role) are driven by the official MCP client,
-exactly as a coding agent would drive them; what each call returns is printed for a person.
+exactly as a coding agent would drive them; what each call returns is printed for a person. The
+figures that show it worked (loss, accuracy base vs fine-tuned, drift, memory, the export's smoke
+test) land in `demo-summary.json` in the root, written by `write_summary` from what the tools returned.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import tempfile
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +30,66 @@ BAD_TAG = "lr-absurd"
 ABSURD_LR = 50.0
 
 
+SUMMARY_FILE = "demo-summary.json"
+SUMMARY_KEYS = {"model": None, "wall_s": None, "loss_first": None, "loss_last": None, "eval": ("scorer", "base", "tuned"),
+                "drift": ("kl", "perplexity_ratio"), "memory": ("estimate_gb", "peak_gb"),
+                "export": ("format", "smoke", "goldens_identical", "goldens")}
+
+
 class DemoFailed(Exception):
     pass
+
+
+@dataclass
+class DemoFacts:
+    """What a demo's summary reports, gathered from the tools' structured results as the lifecycle runs."""
+
+    model: str
+    records: list[dict[str, Any]] = field(default_factory=list)  # the promoted run's progress records
+    config: dict[str, Any] = field(default_factory=dict)  # generate_config's result for that run
+    evaluation: dict[str, Any] = field(default_factory=dict)  # evaluate_checkpoint's result
+    export: dict[str, Any] = field(default_factory=dict)  # the export the summary shows (the last one that ran)
+
+
+def summary(facts: DemoFacts, wall_s: float) -> dict[str, Any]:
+    """The summary's figures, exactly SUMMARY_KEYS; a figure a tool did not report is null."""
+    losses = [r["loss"] for r in facts.records if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
+    mems = [r["mem_gb"] for r in facts.records if isinstance(r.get("mem_gb"), (int, float))]
+    ev = facts.evaluation
+    scorers = list((ev.get("scorers") or {}).items())
+    smoke = facts.export.get("smoke_test") or {}
+    items = smoke.get("items") or []
+    drift = ev.get("drift") or {}
+    return {
+        "model": facts.model,
+        "wall_s": round(wall_s, 1),
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "eval": {"scorer": ", ".join(k for k, _ in sorted(scorers, key=lambda kv: -kv[1])) or None,
+                 "base": ev.get("base_accuracy"), "tuned": ev.get("task_accuracy")},
+        "drift": {"kl": drift.get("kl"), "perplexity_ratio": drift.get("perplexity_ratio")},
+        "memory": {"estimate_gb": ((facts.config.get("memory_estimate") or {}).get("gb") or {}).get("total"),
+                   "peak_gb": max(mems) if mems else None},
+        "export": {"format": facts.export.get("format"), "smoke": "passed" if smoke.get("passed") else "failed",
+                   "goldens_identical": sum(1 for i in items if i.get("identical")), "goldens": len(items)},
+    }
+
+
+def write_summary(root: Path, facts: DemoFacts, wall_s: float) -> Path:
+    """demo-summary.json in the root, written whole or not at all."""
+    data = summary(facts, wall_s)
+    assert list(data) == list(SUMMARY_KEYS) and all(v is None or list(data[k]) == list(v) for k, v in SUMMARY_KEYS.items())
+    path = root / SUMMARY_FILE
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{SUMMARY_FILE}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _w(text: str = "") -> None:
@@ -72,29 +133,85 @@ async def call(s, tool: str, args: dict[str, Any], *, ok: bool = True, show: boo
     return sc
 
 
-async def poll_until_done(s, run_id: str, *, stop_on_divergence: bool = False, budget_s: float = 600) -> dict:
+class ProgressLine:
+    """One line that follows the run (rewritten in place on a terminal; a line every few seconds in a log);
+    verbose prints every record exactly as poll_progress returns it."""
+
+    def __init__(self, verbose: bool, total: int | None):
+        self.verbose, self.total, self.tty = verbose, total, sys.stdout.isatty()
+        self.last_print, self.shown, self.printed, self.records = 0.0, "", "", 0
+
+    def update(self, records: list[dict[str, Any]]) -> None:
+        self.records += len(records)
+        if self.verbose:
+            for rec in records:
+                _w("  " + json.dumps(rec))
+            return
+        if not records:
+            return
+        r = records[-1]
+        step = f"step {r['step']}" + (f"/{self.total}" if self.total else "")
+        loss = f"loss {r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else "loss n/a"
+        mem = f"mem {r['mem_gb']:.2f} GB" if isinstance(r.get("mem_gb"), (int, float)) else ""
+        self.shown = f"  {step}  {loss}  lr {r.get('lr', 0) or 0:.2e}  {mem}".rstrip()
+        if self.tty:
+            print("\r" + self.shown.ljust(78), end="", flush=True)
+        elif time.monotonic() - self.last_print > 5:
+            _w(self.shown)
+            self.last_print, self.printed = time.monotonic(), self.shown
+
+    def close(self) -> None:
+        """End the line (a terminal) or print its last state (a log), once."""
+        if self.shown and not self.verbose:
+            if self.tty:
+                print(flush=True)
+            elif self.shown != self.printed:
+                _w(self.shown)
+        self.shown = self.printed = ""
+
+
+async def poll_until_done(s, run_id: str, *, stop_on_divergence: bool = False, budget_s: float = 600, verbose: bool = False,
+                          total: int | None = None, records: list | None = None) -> dict:
     cursor, t0, res = 0, time.monotonic(), {}
+    line = ProgressLine(verbose, total)
     while time.monotonic() - t0 < budget_s:
         res = await s.call_tool("poll_progress", {"run_id": run_id, "cursor": cursor, "limit": 1000})
         if res.is_error:
             raise DemoFailed(res.content[0].text)
         res = res.structured_content
-        for rec in res["records"]:
-            _w("  " + json.dumps(rec))
+        line.update(res["records"])
+        if records is not None:
+            records.extend(res["records"])
         cursor = res["next_cursor"]
         for a in res.get("anomalies", []):
+            line.close()
             _w(f"  ! anomaly: {a['kind']} — {a['message']}")
         if res["status"] in ("succeeded", "failed", "stopped"):
-            _w(f"  status: {res['status']}" + (f" (exit code {res['exit_code']})" if res.get("exit_code") is not None else "")
+            line.close()
+            _w(f"  status: {res['status']} after {line.records} progress records"
+               + (f" (exit code {res['exit_code']})" if res.get("exit_code") is not None else "")
                + (f" (signal {res['signal']})" if res.get("signal") else ""))
             return res
         if stop_on_divergence and any(a["kind"] in ("nan-loss", "inf-loss", "loss-spike") for a in res.get("anomalies", [])):
+            line.close()
             return res
         await anyio.sleep(1.0)
+    line.close()
     raise DemoFailed(f"{run_id} did not finish within {budget_s:.0f}s")
 
 
-async def lifecycle(root: Path, env: dict[str, str], gguf: str) -> dict:
+# The embedded model is random-initialised: it has no general ability to lose, and the demo's adapter trains
+# embed_tokens/lm_head, so its drift bars are loose. A real model's bars are set from a reference run
+# (skills/eval-gate#drift-thresholds).
+DEMO_EVAL_YAML = """\
+# Thresholds for the embedded tiny model (no general ability to protect: loose drift bars, stated here).
+thresholds:
+  max_kl: 4.0
+  max_perplexity_ratio: 3.0
+"""
+
+
+async def lifecycle(root: Path, env: dict[str, str], gguf: str, facts: DemoFacts, verbose: bool = False) -> dict:
     inbox = root / "inbox"
     inbox.mkdir(parents=True, exist_ok=True)
     brief = inbox / "training-brief.md"
@@ -136,14 +253,17 @@ async def lifecycle(root: Path, env: dict[str, str], gguf: str) -> dict:
         run = await call(s, "launch_run", {"experiment": exp, "tag": TAG, "accept_warnings": accept})
         run_id = run["run_id"]
         landed["run"] = run["run_dir"]
-        done = await poll_until_done(s, run_id)
+        facts.config = cfg
+        steps = (cfg["resolved"].get("max_steps") or {}).get("value")
+        done = await poll_until_done(s, run_id, verbose=verbose, total=steps if isinstance(steps, int) and steps > 0 else None,
+                                     records=facts.records)
         if done["status"] != "succeeded":
             raise DemoFailed(f"the demo run ended {done['status']}")
 
         _h("A second run with an absurd learning rate, then triage_failure")
         await call(s, "generate_config", {"experiment": exp, "tag": BAD_TAG, "overrides": {"learning_rate": ABSURD_LR}})
         bad = await call(s, "launch_run", {"experiment": exp, "tag": BAD_TAG, "accept_warnings": accept})
-        res = await poll_until_done(s, bad["run_id"], stop_on_divergence=True)
+        res = await poll_until_done(s, bad["run_id"], stop_on_divergence=True, verbose=verbose)
         if res["status"] not in ("succeeded", "failed", "stopped"):
             _w("  The loss is diverging: halting the run first, as the divergence response says.")
             await call(s, "stop_run", {"run_id": bad["run_id"], "grace_seconds": 20})
@@ -162,15 +282,21 @@ async def lifecycle(root: Path, env: dict[str, str], gguf: str) -> dict:
             "prompts.jsonl": "".join(json.dumps({"prompt": r["prompt"], "expected": r["expected"]}) + "\n" for r in suite),
             "goldens.jsonl": "".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in suite[:5]),
             "drift.jsonl": "".join(json.dumps({"prompt": p}) + "\n" for p in task.drift_prompts()),
+            "eval.yaml": DEMO_EVAL_YAML,
         }
         for name, content in files.items():
             await call(s, "write_eval_file", {"experiment": exp, "relpath": name, "content": content})
         ev = await call(s, "evaluate_checkpoint", {"run_id": run_id})
-        _w(f"  task accuracy: base model {ev.get('base_accuracy')} → fine-tuned {ev.get('task_accuracy')}")
-        _w(f"  eval loss: {ev.get('eval_loss')}   drift: {ev.get('drift')}   thresholds: {ev.get('thresholds')}")
+        facts.evaluation = ev
+        d, sbs = ev["drift"], ev["side_by_side"]
+        _w(f"  task accuracy: base model {ev.get('base_accuracy')} → fine-tuned {ev.get('task_accuracy')} "
+           f"({', '.join(ev.get('scorers') or {})}; {sbs['improved']} improved, {sbs['regressed']} regressed, {sbs['unchanged']} unchanged)")
+        _w(f"  drift: KL(base ‖ tuned) {d['kl']:.4f} nats/token, perplexity ratio {d['perplexity_ratio']:.3f}; eval loss {ev.get('eval_loss')}")
+        _w(f"  every answer side by side: {ev.get('side_by_side_report')}")
         passed = bool(ev.get("passed")) and all(ev["passed"].values())
         verdict = "PROMOTE" if passed else "REJECT"
-        evidence = f"task accuracy {ev.get('base_accuracy')} -> {ev.get('task_accuracy')}; eval loss {ev.get('eval_loss')}; drift {ev.get('drift')}"
+        evidence = (f"task accuracy {ev.get('base_accuracy')} -> {ev.get('task_accuracy')}; eval loss {ev.get('eval_loss')}; "
+                    f"drift KL {d['kl']:.4f} nats/token, perplexity ratio {d['perplexity_ratio']:.3f}")
         await call(s, "record_verdict", {"run_id": run_id, "verdict": verdict, "evidence": evidence,
                                          "top_remediation": "" if passed else "train longer (more steps) before re-evaluating"})
         landed["promotion_report"] = str(Path(run["run_dir"]) / "promotion-report.md")
@@ -186,6 +312,8 @@ async def lifecycle(root: Path, env: dict[str, str], gguf: str) -> dict:
             # A GGUF the demo only tried because llama.cpp looked present must not fail the whole demo.
             must = verdict == "PROMOTE" and (fmt == "merged-16bit" or gguf == "yes")
             ex = await call(s, "export", {"run_id": run_id, "format": fmt, "target_runtime": rt}, ok=must)
+            if "_error" not in ex:
+                facts.export = ex
             st = ex.get("smoke_test") or {}
             for row in st.get("items", [])[:5]:
                 mark = "=" if row.get("identical") else "≈" if row.get("matches_verdict") else "≠"
@@ -210,7 +338,7 @@ def _checkout_llama_sdist() -> str | None:
     return str(d) if d.is_dir() and any(d.glob("llama_cpp_python-*.tar.gz")) else None
 
 
-def run_demo(root: str | None = None, gguf: str = "auto") -> int:
+def run_demo(root: str | None = None, gguf: str = "auto", verbose: bool = False) -> int:
     throwaway = root is None
     base = Path(root) if root else Path(tempfile.mkdtemp(prefix="finetune-mcp-demo-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -221,8 +349,9 @@ def run_demo(root: str | None = None, gguf: str = "auto") -> int:
         env["FINETUNE_MCP_LLAMA_CPP_SDIST"] = _checkout_llama_sdist()
     t0 = time.monotonic()
     _w(f"finetune-mcp demo — DGX_SPARK_ROOT={base}{' (throwaway)' if throwaway else ''}")
+    facts = DemoFacts(model="finetune-mcp-tiny")
     try:
-        landed = anyio.run(lifecycle, base, env, gguf)
+        landed = anyio.run(lifecycle, base, env, gguf, facts, verbose)
     except DemoFailed as e:
         _w(f"\nDEMO FAILED: {e}")
         return 1
@@ -235,9 +364,12 @@ def run_demo(root: str | None = None, gguf: str = "auto") -> int:
             first = first.exceptions[0]
         _w(f"\nDEMO FAILED: {first}")
         return 1
+    path = write_summary(base, facts, time.monotonic() - t0)
+    landed["summary"] = str(path)
     _h("Where everything landed")
     for k, v in landed.items():
         _w(f"  {k:<18} {v}")
+    _w("\n" + path.read_text().rstrip())
     _w(f"\nDone in {time.monotonic() - t0:.0f}s.")
     if throwaway:
         _w(f"(the throwaway root stays for you to inspect: {base}; delete it when done, or pass --root DIR)")

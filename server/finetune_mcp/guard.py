@@ -13,16 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from finetune_mcp.errors import BadInput, FtError, Forbidden
 from finetune_mcp.shipped import shipped_dir
-from finetune_mcp.workspace import Workspace, atomic_write_bytes
+from finetune_mcp.workspace import Workspace, atomic_write_bytes, fsync_dir
 
 MAX_PATH = 4096
 MAX_COMPONENT = 255
 
-ALL_TOOLS = (
-    "prepare_dataset", "preflight", "generate_config", "launch_run", "poll_progress", "stop_run",
-    "prune_checkpoints", "triage_failure", "export", "evaluate_checkpoint", "record_verdict",
-    "write_eval_file",
-)
 
 
 class RolePolicy(BaseModel):
@@ -59,9 +54,11 @@ def load_policy(role: str, roles_dir: Path | None = None) -> RolePolicy:
         raise BadInput(f"role policy is not valid YAML: {e}", where=str(path)) from None
     except ValidationError as e:
         raise BadInput(_explain_validation(e, RolePolicy), where=str(path), fix="correct the role policy") from None
+    from finetune_mcp.tools import NAMES
+
     for t in policy.tools:
-        if t not in ALL_TOOLS:
-            raise BadInput(f"role {role!r} lists unknown tool {t!r}{_did_you_mean(t, ALL_TOOLS)}", where=f"{path}: tools")
+        if t not in NAMES:
+            raise BadInput(f"role {role!r} lists unknown tool {t!r}{_did_you_mean(t, NAMES)}", where=f"{path}: tools")
     if policy.role != role:
         raise BadInput(f"role file {path.name} declares role {policy.role!r}", where=f"{path}: role", fix=f"set role: {role}")
     return policy
@@ -201,6 +198,9 @@ class Guard:
         fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(real.parent)
         return real
 
     def read_bytes(self, path: Any) -> bytes:

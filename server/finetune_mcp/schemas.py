@@ -1,16 +1,27 @@
-"""Pydantic output models of every tool: the structured content a client receives.
+"""Pydantic input and output models of every tool: the arguments a client sends and the structured content it receives.
 
-Every result starts with `summary`, one line a person reads first; `citations` name the skill
-sections (skill#anchor) whose facts the tool applied. Sections are owned per tool.
+An input model *is* the tool's input schema: its fields (with their descriptions and limits) are the
+tool's arguments, its docstring the tool's description, and the phase function takes exactly these
+keywords. Every result starts with `summary`, one line a person reads first; `citations` name the
+skill sections (skill#anchor) whose facts the tool applied. Sections are owned per tool.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+
+class Args(BaseModel):
+    """A tool's arguments; the docstring of each subclass is the tool's description."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+RunRef = Annotated[str, Field(description="<experiment>/<YYYYMMDD-HHMM-tag>, as launch_run returned it")]
 
 
 class Result(BaseModel):
@@ -25,6 +36,19 @@ class Result(BaseModel):
 
 
 # --- prepare_dataset ---------------------------------------------------------------------
+
+
+class PrepareDatasetArgs(Args):
+    """Open the experiment from a training brief, then load, validate, template, pack and describe its dataset.
+
+    Applies the chat template before packing, decodes packed samples with the trained spans
+    marked, writes the dataset card and validation report, runs the collapse guard, and walks
+    the Phase 2 exit checklist (`complete` is false unless every item holds)."""
+
+    brief_path: Annotated[str, Field(description="the training-brief.md to execute")]
+    source: Annotated[str, Field(description="JSONL/JSON/Parquet/CSV file or folder, a save_to_disk folder, or an HF dataset id: org/name, org/name:split or org/name:config:split")]
+    dataset_name: Annotated[str | None, Field(description="name under $DGX_SPARK_ROOT/datasets/ (default: from the experiment)")] = None
+    eval_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.05
 
 
 class Problem(BaseModel):
@@ -95,6 +119,13 @@ class PrepareDatasetResult(Result):
 # --- preflight ---------------------------------------------------------------------------
 
 
+class PreflightArgs(Args):
+    """Probe driver, GPU, memory, disk, thermals and the training stack; write env-report.json with
+    verdict ready / ready-with-warnings / blocked (DGX Spark G-checks, else the generic fallback)."""
+
+    experiment: Annotated[str, Field(description="experiment name returned by prepare_dataset")]
+
+
 class CheckResult(BaseModel):
     id: str
     name: str
@@ -111,6 +142,8 @@ class PreflightResult(Result):
     verdict: Literal["ready", "ready-with-warnings", "blocked"]
     checks: list[CheckResult]
     memory_estimate: dict[str, Any] = Field(default_factory=dict)
+    time_estimate: dict[str, Any] = Field(default_factory=dict, description="expected wall time from real training steps timed in the worker "
+                                          "(seconds per step, steps, wall, the brief's time budget)")
     env_report: str
 
     def text(self) -> str:
@@ -130,6 +163,16 @@ class PreflightResult(Result):
 
 
 # --- generate_config ---------------------------------------------------------------------
+
+
+class GenerateConfigArgs(Args):
+    """Resolve the chosen method's recipe with the brief and memory budget (every value says where it came
+    from), render train.py for the backend (Unsloth first, TRL+PEFT escape hatch) and commit config + script."""
+
+    experiment: str
+    tag: Annotated[str, Field(description="what this run varies, e.g. r16-lr2e4; names configs/run-<tag>.yaml and the run id")]
+    backend: Literal["auto", "unsloth", "trl"] = "auto"
+    overrides: Annotated[dict[str, Any], Field(description="values for keys of the chosen method's recipe only")] = {}
 
 
 class ResolvedValue(BaseModel):
@@ -169,6 +212,54 @@ class GenerateConfigResult(Result):
 # --- launch_run / poll_progress / stop_run / prune_checkpoints ---------------------------
 
 
+class LaunchRunArgs(Args):
+    """Start the committed config as a detached run that outlives this server. Refuses without a preflight,
+    on blocked, on unaccepted warnings, on an uncommitted or changed config, on a busy GPU, on an existing run id."""
+
+    experiment: str
+    tag: str
+    accept_warnings: Annotated[bool, Field(description="launch despite a ready-with-warnings preflight (the caller's decision)")] = False
+    launcher: Literal["local", "torchrun", "docker", "slurm"] = "local"
+    nproc: Annotated[int, Field(ge=1, le=64)] = 1
+    nodes: Annotated[int, Field(ge=1, le=64)] = 1
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    time_limit: Annotated[str | None, Field(description="Slurm time limit, e.g. 01:00:00")] = None
+    account: str | None = None
+    resume_from: Annotated[str | None, Field(description="a failed or stopped run of this experiment (its id, or 'latest') to continue from its "
+                                                          "newest checkpoint: optimizer, scheduler and RNG state restored, records continue at "
+                                                          "the next step, in a new run beside it")] = None
+
+
+class PollProgressArgs(Args):
+    """Records since the cursor, each exactly {step, loss, lr, mem_gb, temp_c}; the run status with exit
+    code or signal; anomalies (NaN/inf loss, spikes, stalls); and the next cursor.
+
+    The cursor is a byte offset into the run's record log (logs/progress.jsonl; logs/stdout.log for a
+    script without our progress callback), always at a line boundary: a poll reads only what was written
+    after it, and the same cursor gives the same records from any server, also after a restart. Keep
+    polling with next_cursor; `more` says records are waiting past `limit`. A client that sends a
+    progress token gets a notification with the latest step and loss."""
+
+    run_id: RunRef
+    cursor: Annotated[int, Field(ge=0, description="next_cursor of the previous call, unchanged; 0 from the start")] = 0
+    limit: Annotated[int, Field(ge=1, le=5000)] = 200
+    plot: Annotated[bool, Field(description="also return the loss curve as a PNG image")] = False
+
+
+class StopRunArgs(Args):
+    """SIGTERM to the run's process group (the trainer saves a checkpoint), then SIGKILL after the grace period."""
+
+    run_id: RunRef
+    grace_seconds: Annotated[float, Field(ge=0, le=600)] = 30.0
+
+
+class PruneCheckpointsArgs(Args):
+    """Delete checkpoints/ of a run that succeeded and whose adapter/ verifies against its digest. adapter/ is never touched."""
+
+    run_id: RunRef
+
+
 class ProgressRecord(BaseModel):
     """Exactly the record shape of the training-engineer seed, keys in this order."""
 
@@ -186,7 +277,7 @@ class ProgressRecord(BaseModel):
 
 
 class Anomaly(BaseModel):
-    kind: Literal["nan-loss", "inf-loss", "loss-spike", "stalled"]
+    kind: Literal["nan-loss", "inf-loss", "loss-spike", "stalled", "loss-jump-after-resume"]
     step: int | None = None
     message: str
 
@@ -200,6 +291,7 @@ class LaunchResult(Result):
     command: list[str] = Field(default_factory=list)
     commit: str | None = None
     warnings_accepted: list[str] = Field(default_factory=list)
+    resumed_from: dict[str, Any] | None = Field(default=None, description="{run_id, checkpoint, step} of the run this one continues")
 
 
 class PollResult(Result):
@@ -214,6 +306,9 @@ class PollResult(Result):
     cursor: int
     next_cursor: int
     more: bool = Field(default=False, description="true when more records are waiting past `limit`")
+    tokens_per_s: float | None = Field(default=None, description="training tokens per second over the last trainer logs (null when the trainer counts no tokens)")
+    steps_per_s: float | None = Field(default=None, description="optimizer steps per second over the last trainer logs")
+    eta_s: float | None = Field(default=None, description="seconds left to max_steps at that pace, while the run is running")
 
     def text(self) -> str:
         # The records one JSON line each, in the seed's exact shape, so a reader can copy them as they are.
@@ -241,7 +336,66 @@ class PruneResult(Result):
     removed: list[str] = Field(default_factory=list)
 
 
+# --- compare_runs ------------------------------------------------------------------------
+
+
+class CompareRunsArgs(Args):
+    """The runs of one experiment side by side: each config value that differs from the first run, final and best
+    loss, eval loss and accuracy, wall time and tokens/s; and one PNG with their loss curves overlaid."""
+
+    experiment: str
+    runs: Annotated[list[str] | None, Field(description="run ids to compare, the first being the baseline (default: every run of the experiment, oldest first)")] = None
+    plot: Annotated[bool, Field(description="also return the overlaid loss curves as a PNG image")] = True
+
+
+class CompareRow(BaseModel):
+    run_id: str
+    status: str
+    differs: dict[str, Any] = Field(default_factory=dict, description="this run's value of every setting that is not the same in all runs")
+    steps: int
+    final_loss: float | None = None
+    best_loss: float | None = None
+    best_step: int | None = None
+    eval_loss: float | None = None
+    eval_accuracy: float | None = Field(default=None, description="task accuracy from the eval engineer's eval-report.md")
+    wall_s: float | None = None
+    tokens_per_s: float | None = None
+    resumed_from: str | None = None
+
+
+class CompareResult(Result):
+    experiment: str
+    baseline: str
+    varied: list[str] = Field(default_factory=list, description="settings whose value differs from the baseline in at least one run")
+    runs: list[CompareRow]
+
+    def text(self) -> str:
+        def cell(v: Any) -> str:
+            if v is None:
+                return "—"
+            if isinstance(v, float):
+                return f"{v:.4g}"
+            return str(v).replace("|", "\\|")
+
+        cols = ["run", "status", *self.varied, "steps", "final loss", "best loss (step)", "eval loss", "eval acc", "wall s", "tokens/s"]
+        lines = [self.summary, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in self.runs:
+            best = f"{cell(r.best_loss)} ({r.best_step})" if r.best_loss is not None else "—"
+            lines.append("| " + " | ".join([r.run_id.split("/", 1)[1], r.status, *(cell(r.differs.get(k)) for k in self.varied), str(r.steps),
+                                            cell(r.final_loss), best, cell(r.eval_loss), cell(r.eval_accuracy), cell(r.wall_s),
+                                            cell(r.tokens_per_s)]) + " |")
+        return "\n".join(lines)
+
+
 # --- triage_failure ----------------------------------------------------------------------
+
+
+class TriageFailureArgs(Args):
+    """Diagnose the failure class (environment / divergence / oom / none) with verbatim evidence lines, then the
+    response: the preflight check to re-run, the ordered divergence causes, or the next OOM-ladder rung."""
+
+    run_id: Annotated[str | None, Field(description="a run of ours")] = None
+    log_path: Annotated[str | None, Field(description="any training log file")] = None
 
 
 class EvidenceLine(BaseModel):
@@ -294,16 +448,88 @@ class TriageResult(Result):
 # --- gate and export ---------------------------------------------------------------------
 
 
+class EvalItem(BaseModel):
+    """One task prompt, judged on the base model and on the fine-tuned one."""
+
+    prompt: Any
+    expected: list[str] = Field(description="the accepted answers")
+    scorer: str = Field(description="the scorer that judged it, with options that differ from its defaults, e.g. rouge_l(threshold=0.4)")
+    base_output: str
+    output: str = Field(description="the fine-tuned model's answer")
+    base_correct: bool
+    correct: bool
+    base_score: float = Field(description="1.0 / 0.0, or the ROUGE-L F-measure for rouge_l")
+    score: float
+    change: Literal["improved", "regressed", "unchanged"]
+
+
+class SideBySide(BaseModel):
+    improved: int = 0
+    regressed: int = 0
+    unchanged: int = 0
+
+
+class DriftFigures(BaseModel):
+    kl: float | None = Field(default=None, description="mean per-token KL(base || tuned), nats, on the base model's greedy continuations of general prompts")
+    perplexity_ratio: float | None = Field(default=None, description="perplexity on a general text, fine-tuned / base (1.0 = unchanged)")
+    perplexity_base: float | None = None
+    perplexity_tuned: float | None = None
+    changed_share: float | None = Field(default=None, description="share of general prompts whose greedy answer would change")
+    prompts: int = 0
+    kl_tokens: int | None = None
+    perplexity_tokens: int | None = None
+    prompts_source: str | None = None
+    text_source: str | None = None
+
+
+class EvaluateCheckpointArgs(Args):
+    """Run the experiment's eval/ suite against the run's adapter and the base model: task accuracy with each
+    prompt's scorer and both answers side by side (eval/reports/), eval loss, and drift (KL to the base model on
+    general prompts, perplexity ratio on a general text) against the thresholds."""
+
+    run_id: RunRef
+
+
+class RecordVerdictArgs(Args):
+    """Write the run's promotion-report.md, signed (Ed25519) over run id, adapter digest, verdict and evidence digest."""
+
+    run_id: RunRef
+    verdict: Literal["PROMOTE", "REJECT"]
+    evidence: Annotated[str, Field(min_length=1, description="what the verdict rests on (figures, eval report)")]
+    top_remediation: Annotated[str, Field(description="for REJECT: the one change to try first")] = ""
+
+
+class WriteEvalFileArgs(Args):
+    """Create or replace a file under the experiment's eval/ (eval-engineer only)."""
+
+    experiment: str
+    relpath: Annotated[str, Field(description="path inside eval/, e.g. prompts.jsonl, goldens.jsonl, drift.jsonl, eval.yaml")]
+    content: str
+
+
+class ExportArgs(Args):
+    """Export only under a valid signed PROMOTE for this run's adapter; always smoke-tests the artifact in its
+    target runtime against 3-5 golden outputs. A REJECT is passed along with its evidence and remediation."""
+
+    run_id: RunRef
+    format: Literal["lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"] | None = None
+    target_runtime: Literal["transformers", "vllm", "llama.cpp", "ollama"] | None = None
+
+
 class EvalResult(Result):
     run_id: str
     task_accuracy: float | None = None
     base_accuracy: float | None = None
     eval_loss: float | None = None
-    drift: float | None = None
+    drift: DriftFigures = Field(default_factory=DriftFigures)
+    side_by_side: SideBySide = Field(default_factory=SideBySide)
+    scorers: dict[str, int] = Field(default_factory=dict, description="scorer label -> prompts it judged")
+    items: list[EvalItem] = Field(default_factory=list, description="every task prompt: base and fine-tuned answers side by side")
     thresholds: dict[str, Any] = Field(default_factory=dict)
     passed: dict[str, bool] = Field(default_factory=dict)
     details: list[dict[str, Any]] = Field(default_factory=list)
     report: str | None = None
+    side_by_side_report: str | None = Field(default=None, description="eval/reports/<run tag>.md: every answer, base beside fine-tuned")
 
 
 class VerdictResult(Result):

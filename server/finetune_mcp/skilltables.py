@@ -184,7 +184,7 @@ class DcCardTable(Strict):
 
 from pydantic import model_validator as _sp_model_validator  # noqa: E402  (section-local import)
 
-PREFLIGHT_CHECK_IDS = ("G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1")
+PREFLIGHT_CHECK_IDS = ("G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1", "T1")
 PreflightPlatform = Literal["dgx-spark", "generic-nvidia", "cpu"]
 
 
@@ -203,12 +203,11 @@ class PreflightThresholds(Strict):
     backend_imports: list[str] | None = Field(default=None, description="modules of the Unsloth fast path (TRL+PEFT remains without them)")
     method_imports: dict[str, list[str]] | None = Field(default=None, description="modules a method needs on top (method id -> modules)")
     min_capability: float | None = Field(default=None, description="lowest compute capability with native bf16")
-    max_params: int | None = Field(default=None, gt=0, description="largest parameter count trained on a CPU without a warning")
     gpu_only_methods: list[str] | None = Field(default=None, description="methods whose kernels need CUDA")
 
 
 class PreflightCheck(Strict):
-    id: Literal["G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1"]
+    id: Literal["G1", "G2", "G3", "G4", "G5", "G6", "G7", "N1", "N2", "N3", "N4", "N5", "N6", "N7", "C1", "T1"]
     name: str
     platforms: list[PreflightPlatform] = Field(min_length=1)
     what: str = Field(description="one line: what is observed and compared")

@@ -68,6 +68,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+JOB_TIMEOUT_DEFAULT_S = 3600.0  # a job that names no limit of its own (building the tiny model takes a minute)
+
+
 def run_job(
     job: str,
     params: dict[str, Any],
@@ -85,7 +88,9 @@ def run_job(
     `light`: the job needs none of the stack the warm worker preloads (a plot), so it uses the worker
     only when one is already up and never starts one for itself.
     Raises the child's own FtError (BadInput, NotFound, ...) or JobFailed with the tail of its stderr.
+    Every job has a time limit: `timeout`, else JOB_TIMEOUT_DEFAULT_S.
     """
+    timeout = timeout or JOB_TIMEOUT_DEFAULT_S
     py = python or train_python()
     full_env = child_env(env)
     warm = _warm_for(py, full_env, start=not light)

@@ -132,6 +132,7 @@ def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -139,6 +140,20 @@ def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -
             pass
         raise
     return path
+
+
+def fsync_dir(directory: Path | str) -> None:
+    """Make a rename or a new name in `directory` durable: without it, a crash can leave the old name, or none."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the file's own fsync still holds
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: Path | str, text: str, mode: int | None = None) -> Path:
@@ -173,9 +188,31 @@ _GIT_ENV = {
 }
 
 
+GIT_TIMEOUT_DEFAULT_S = 60.0
+
+
+def git_timeout() -> float:
+    """Seconds one git command may take (FINETUNE_MCP_GIT_TIMEOUT_S): a hook from the user's git config runs inside
+    our commits, and one that waits on something would otherwise hang the tool forever."""
+    raw = os.environ.get("FINETUNE_MCP_GIT_TIMEOUT_S")
+    try:
+        value = float(raw) if raw else GIT_TIMEOUT_DEFAULT_S
+    except ValueError:
+        raise BadInput(f"FINETUNE_MCP_GIT_TIMEOUT_S={raw!r} is not a number of seconds", where="FINETUNE_MCP_GIT_TIMEOUT_S",
+                       fix="set it to the seconds a git command may take, e.g. 60") from None
+    return value if value > 0 else GIT_TIMEOUT_DEFAULT_S
+
+
 def git(repo: Path, *args: str, check: bool = True) -> str:
     env = {**os.environ, **_GIT_ENV, "GIT_TERMINAL_PROMPT": "0"}
-    p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env)
+    limit = git_timeout()
+    try:
+        p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, timeout=limit,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise FtError(f"git {' '.join(args[:2])} did not finish within {limit:g}s; nothing waits on it any longer", where=str(repo),
+                      fix="a hook in your git configuration (core.hooksPath, or the repository's .git/hooks) is the usual "
+                          "cause: make it return promptly, or raise FINETUNE_MCP_GIT_TIMEOUT_S") from None
     if check and p.returncode != 0:
         raise FtError(f"git {' '.join(args)} failed: {p.stderr.strip() or p.stdout.strip()}", where=str(repo))
     return p.stdout

@@ -68,6 +68,20 @@ def long_rows(n: int = 40, exchanges: int = 12, seed: int = 0) -> list[dict]:
     return out
 
 
+def chats(n: int, seed: int = 0) -> list[dict]:
+    """n conversations of 1-4 identity exchanges each, with a running number in each question so that no two
+    are copies: a large chat set of real-looking lengths for throughput measurements."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        msgs = []
+        for j, q in enumerate(rng.sample(TRAIN_QUESTIONS, rng.randint(1, 4))):
+            msgs += [{"role": "user", "content": f"{q} (question {k}.{j})"},
+                     {"role": "assistant", "content": rng.choice(ANSWERS).format(name=NAME, maker=MAKER)}]
+        out.append({"messages": msgs})
+    return out
+
+
 def preference_rows(seed: int = 0) -> list[dict]:
     """DPO pairs: the new identity chosen, the base model's own identity rejected."""
     rng = random.Random(seed)
@@ -115,6 +129,7 @@ def sample_brief(base_model: str, max_seq_length: int = 128, system_prompt: str 
         f"format: {'preference' if method == 'DPO' else 'messages'}",
         f"max_seq_length: {max_seq_length}",
         f"packing: {'true' if packing else 'false'}",
+        "provenance: curated",
         f"examples: ~{len(TRAIN_QUESTIONS) * 2}",
     ]
     if system_prompt is not None:

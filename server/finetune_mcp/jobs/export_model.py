@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
-from finetune_mcp.jobs.evaluate import greedy, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model
+from finetune_mcp.jobs.evaluate import generate_golden_batch, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model
+
+CONVERTER_TIMEOUT_S = 4 * 3600.0
 
 # Runs llama.cpp's converter unchanged, from where it lies, with two run-time adjustments made in
 # memory (the user's files are never edited):
@@ -145,11 +147,7 @@ def similarity(a: str, b: str) -> float:
 
 
 def _smoke_transformers(model, tok, goldens, mnt) -> list[dict[str, Any]]:
-    out = []
-    for g in goldens:
-        text, toks = greedy(model, tok, prompt_ids(tok, g["prompt"]), mnt)
-        out.append({"output": text, "tokens": toks})
-    return out
+    return [{"output": text, "tokens": toks} for text, toks in generate_golden_batch(model, tok, [g["prompt"] for g in goldens], mnt)]
 
 
 def _smoke_llama_cpp(gguf: Path, tok, goldens, mnt, threads: int) -> list[dict[str, Any]]:
@@ -279,7 +277,12 @@ def export(params: dict[str, Any]) -> dict[str, Any]:
             commands.append(f"FINETUNE_MCP_GGUF_PRE={pre_tok or '(unset)'} python convert_hf_to_gguf.py {hf.name}/ --outfile {converted.name} --outtype {outtype}"
                             f"   # converter: {params['converter']}, run through finetune-mcp's in-memory shim")
             env = {**os.environ, "FINETUNE_MCP_GGUF_PRE": pre_tok}
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            try:
+                # The converter reads the whole model once; hours means it is stuck, not slow.
+                p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CONVERTER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise JobError(f"llama.cpp's converter did not finish within {CONVERTER_TIMEOUT_S:.0f}s", kind="JobFailed",
+                               where=" ".join(cmd[:1] + cmd[3:]), fix="run the command by hand to see where it stops") from None
             if p.returncode != 0 or not converted.is_file():
                 tail = (p.stderr or p.stdout)[-3000:]
                 hint = "the converter does not know this tokenizer's pre-tokenizer; set FINETUNE_MCP_GGUF_PRE_TOKENIZER to the llama.cpp name it matches (e.g. gpt-2, llama-bpe, qwen2)" \

@@ -162,26 +162,30 @@ def _sentinel_render(tok, template, messages, tools=None, extra=None, wrap_roles
             m = {**m, "content": SENTINEL_OPEN + chr(_INDEX_BASE + i) + content_text(m.get("content")) + SENTINEL_CLOSE}
         wrapped.append(m)
     text = _render(tok, template, wrapped, tools, extra)
-    spans, clean, pos, open_at, idx = {}, [], 0, None, None
-    it = iter(text)
-    for ch in it:
-        if ch == SENTINEL_OPEN:
-            if open_at is not None:
-                raise MaskError("the template repeats or reorders message contents (two opening sentinels)")
-            open_at, idx = pos, ord(next(it, "\0")) - _INDEX_BASE
-        elif ch == SENTINEL_CLOSE:
-            if open_at is None:
-                raise MaskError("the template cut a message content apart (a closing sentinel without its opening)")
-            if idx in spans:
-                raise MaskError("the template writes a message content twice")
-            spans[idx] = (open_at, pos)
-            open_at = None
-        else:
-            clean.append(ch)
-            pos += 1
-    if open_at is not None:
-        raise MaskError("the template cut a message content apart (an opening sentinel without its closing)")
-    return "".join(clean), spans
+    spans, pieces, pos, start = {}, [], 0, 0
+    while True:
+        k = text.find(SENTINEL_OPEN, start)
+        if k < 0:
+            break
+        e = text.find(SENTINEL_CLOSE, k)
+        if e < 0:
+            raise MaskError("the template cut a message content apart (an opening sentinel without its closing)")
+        inner = text[k + 2:e]
+        if SENTINEL_OPEN in inner or SENTINEL_CLOSE in text[start:k]:
+            raise MaskError("the template cut, repeated or reordered message contents (sentinels out of order)")
+        idx = ord(text[k + 1]) - _INDEX_BASE if k + 1 < len(text) else -1
+        if idx in spans:
+            raise MaskError("the template writes a message content twice")
+        pieces.append(text[start:k])
+        pos += k - start
+        spans[idx] = (pos, pos + len(inner))
+        pieces.append(inner)
+        pos += len(inner)
+        start = e + 1
+    if SENTINEL_CLOSE in text[start:]:
+        raise MaskError("the template cut a message content apart (a closing sentinel without its opening)")
+    pieces.append(text[start:])
+    return "".join(pieces), spans
 
 
 def _eot_after(tok, text, b):
@@ -233,18 +237,27 @@ def derive_parts(tok, template):
 
 
 def _char_spans_to_mask(tok, text, spans):
+    """Token ids of text and a mask of the tokens that overlap any [a, b) character span."""
+    enc = tok(text, add_special_tokens=False)
+    ids = list(enc["input_ids"])
+    mask = [0] * len(ids)
+    fast = enc.encodings[0] if getattr(enc, "encodings", None) else None
+    for a, b in spans:
+        first = fast.char_to_token(a) if fast is not None and a < len(text) else None
+        last = fast.char_to_token(b - 1) if fast is not None and b > a else None
+        if first is None or last is None:
+            return _offsets_mask(tok, text, spans)  # a character no token starts at: the slow, exact way
+        for i in range(first, last + 1):
+            mask[i] = 1
+    return ids, mask
+
+
+def _offsets_mask(tok, text, spans):
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     mask = [0] * len(ids)
-    k = 0
     for i, (s, e) in enumerate(offsets):
-        while k < len(spans) and spans[k][1] <= s:
-            k += 1
-        if k < len(spans) and e > spans[k][0] and s < spans[k][1] and e > s:
-            mask[i] = 1
-    # A zero-width offset (some special tokens) inside a span still belongs to it.
-    for i, (s, e) in enumerate(offsets):
-        if e == s and any(a <= s < b for a, b in spans):
+        if any((e > a and s < b) or (e == s and a <= s < b) for a, b in spans):
             mask[i] = 1
     return ids, mask
 

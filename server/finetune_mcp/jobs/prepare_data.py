@@ -189,17 +189,33 @@ def _template_one(rec):
         return ("error", f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def _template_all(tp: "Templater", records: list):
-    global _TP
-    _TP = tp
-    workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1), 8)
-    if workers < 2 or len(records) < PARALLEL_MIN_RECORDS or tp.processor is not None or sys.platform != "linux":
-        yield from map(_template_one, records)
-        return
-    import multiprocessing as mp
+class _Templating:
+    """Templating of every record, started as soon as it is made: for a large set the forked workers template
+    while this process goes on (the near-duplicate pass), and iterating collects the results in order."""
 
-    with mp.get_context("fork").Pool(workers) as pool:
-        yield from pool.imap(_template_one, records, chunksize=256)
+    def __init__(self, tp: "Templater", records: list):
+        global _TP
+        _TP = tp
+        workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1), 8)
+        self.pool = None
+        if workers < 2 or len(records) < PARALLEL_MIN_RECORDS or tp.processor is not None or sys.platform != "linux":
+            self.results = map(_template_one, records)
+            return
+        import multiprocessing as mp
+
+        self.pool = mp.get_context("fork").Pool(workers)
+        self.results = self.pool.imap(_template_one, records, chunksize=256)
+
+    def __iter__(self):
+        try:
+            yield from self.results
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None
 
 
 class RecordMaskError(Exception):
@@ -625,6 +641,15 @@ def _loc(origins, i) -> str:
 
 def prepare(P: dict) -> dict:
     """The whole pipeline; writes P["out_dir"]/{train,eval}.jsonl and meta.json only when nothing failed."""
+    closers: list = []
+    try:
+        return _prepare(P, closers)
+    finally:
+        for close in closers:  # forked templating workers never outlive the job, whatever it raised
+            close()
+
+
+def _prepare(P: dict, closers: list) -> dict:
     tables = P["tables"]
     formats, validation, collapse = tables["formats"], tables["validation"], tables["collapse"]
     per_code = validation["listed_per_code"]
@@ -658,6 +683,11 @@ def prepare(P: dict) -> dict:
     if sink.errors:
         return {"ok": False, "stage": "validation", **base, **sink.to_dict()}
     records, origins, fmt = checked.records, checked.origins, checked.format
+
+    # Templating starts now (in forked workers for a large set) and overlaps the near-duplicate pass below.
+    tp = Templater(P["model_path"], fmt, method, P.get("system_prompt"))
+    templating = _Templating(tp, records)
+    closers.append(templating.close)
 
     # Near duplicates first: each cluster goes to one split, so eval never scores a near copy of train.
     _progress(2, "checking near duplicates and the collapse guard")
@@ -720,10 +750,9 @@ def prepare(P: dict) -> dict:
 
     # Template each example on its own, then measure, then pack.
     _progress(3, f"applying the chat template to {len(records)} records")
-    tp = Templater(P["model_path"], fmt, method, P.get("system_prompt"))
     seqs: list[list[tuple[str, list[int], list[int]]]] = []
     tick = max(1, len(records) // 10)
-    for i, (kind, out) in enumerate(_template_all(tp, records)):
+    for i, (kind, out) in enumerate(templating):
         if kind == "job-error":
             raise out
         if kind == "error":  # a template that raises on this record (e.g. its own role checks)
@@ -922,7 +951,8 @@ def _pack_and_decode(tp: Templater, seqs, train_idx, origins, seq_len: int, dec:
     ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
     packed = pack_dataset(ds, seq_len, "bfd")
     rows = packed.num_rows
-    seq_lengths = packed["seq_lengths"]
+    # One Arrow conversion: indexing the lazy column row by row costs a call into datasets per row.
+    seq_lengths = packed.data.column("seq_lengths").to_pylist()
     real = sum(sum(s) for s in seq_lengths)
     efficiency = real / (rows * seq_len) if rows else 0.0
     multi = sum(1 for s in seq_lengths if len(s) > 1)

@@ -144,6 +144,13 @@ def _write_json_atomic(path: str, obj: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the rename itself survives a crash only once its directory is on disk
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
 
 
 def main(argv: list[str]) -> int:
@@ -174,6 +181,13 @@ def main(argv: list[str]) -> int:
     # A closing terminal or a dying server is no reason for the run to end.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
+    if os.path.exists(exit_path):
+        # The run starts again in its own directory (a requeued Slurm job): the end of the attempt before is
+        # history, not this attempt's status.
+        n = 1
+        while os.path.exists(os.path.join(logs, f"exit-attempt-{n}.json")):
+            n += 1
+        os.replace(exit_path, os.path.join(logs, f"exit-attempt-{n}.json"))
     with open(os.path.join(logs, "stdout.log"), "ab", buffering=0) as out:
         if early:  # stopped before the trainer existed: do not start it at all
             _write_json_atomic(exit_path, {"returncode": 128 + early[0], "signal": signal.Signals(early[0]).name,

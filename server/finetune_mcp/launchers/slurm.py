@@ -20,13 +20,12 @@ import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from finetune_mcp.errors import BadInput, JobFailed, Refused
 from finetune_mcp.launchers.base import STOP_MARKER, WRAPPER_NAME, _WRAPPER_SRC, Launcher, RunSpec, Tick, _wait
-from finetune_mcp.workspace import utc_now
+from finetune_mcp.workspace import atomic_write_text, utc_now
 
 SBATCH_NAME = "slurm.sbatch"
 END_RECORD = "logs/slurm-job.txt"  # the scheduler's view of the job, saved by the batch script as it ends
@@ -338,8 +337,9 @@ class SlurmLauncher(Launcher):
             "#SBATCH --open-mode=append",
             f"#SBATCH --nodes={o['nodes']}",
             "#SBATCH --ntasks-per-node=1",
-            # A requeued job would start over in the same run directory and overwrite its records.
-            "#SBATCH --no-requeue",
+            # A requeued job (preemption, a node failure, `scontrol requeue`) runs this script again in the same
+            # run directory: train.py resumes from the run's own newest checkpoint and appends only new records.
+            "#SBATCH --requeue",
         ]
         if o["gpus_per_node"]:
             lines.append(f"#SBATCH --gpus-per-node={o['gpus_per_node']}")
@@ -360,7 +360,8 @@ class SlurmLauncher(Launcher):
                 "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
                 "export MASTER_ADDR MASTER_PORT",
             ]
-        lines.append('echo "finetune-mcp: slurm job $SLURM_JOB_ID on ${SLURM_JOB_NODELIST:-?} started $(date -u +%FT%TZ)"')
+        lines.append('echo "finetune-mcp: slurm job $SLURM_JOB_ID on ${SLURM_JOB_NODELIST:-?} started $(date -u +%FT%TZ)'
+                     ' (restart ${SLURM_RESTART_COUNT:-0})"')
         wrapper = [spec.python, str(R / WRAPPER_NAME), "--run-dir", str(R), "--"]
         cmd = " ".join(_sh(a) for a in wrapper + self.render(spec))
         lines += [
@@ -530,9 +531,5 @@ class SlurmLauncher(Launcher):
 
 
 def _atomic_write(path: Path, text: str, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    atomic_write_text(path, text, mode)
 

@@ -12,6 +12,7 @@ Stdlib only and free of side effects, so every phase can import it. The brief fo
     ## Deployment Target    "<runtime> [(<format>)]"              (required)
     ## Evaluation           "key: value" lines                    (optional)
     ## Reward               reward function names                 (GRPO: required)
+    ## Tracking             "report_to: <tracker>" [+ "project: <name>"] (optional; TRACKERS)
 
 Headings match whatever their case, spacing, punctuation and level (##, ###); HTML comments
 (<!-- ... -->) are ignored. Every problem is collected and raised as one BadInput that names each
@@ -98,6 +99,9 @@ METHOD_FORMATS = {
     "vlm-sft": ("vision",),
 }
 
+# Experiment trackers a run can report to, each writing to a local store under the run's logs/.
+TRACKERS = ("tensorboard", "trackio", "mlflow", "wandb", "none")
+DEFAULT_TRACKER = "tensorboard"
 # Where the records came from; the collapse guard fails only synthetic (and mixed) sets, and warns on curated ones.
 PROVENANCES = ("synthetic", "curated", "mixed")
 _PROVENANCE_ALIASES = {
@@ -136,6 +140,8 @@ _SECTIONS = {
     "deployment_target": ("deploymenttarget", "deployment", "target", "deploytarget"),
     "evaluation": ("evaluation", "eval", "evaluationcriteria", "gate", "successcriteria"),
     "reward": ("reward", "rewards", "rewardfunction", "rewardfunctions"),
+    "tracking": ("tracking", "experimenttracking", "tracker", "reportto", "logging"),
+    "time_budget": ("timebudget", "time", "walltime", "timelimit", "deadline"),
 }
 _HEADING_TO_SECTION = {h: s for s, hs in _SECTIONS.items() for h in hs}
 SECTION_TITLES = {
@@ -147,6 +153,8 @@ SECTION_TITLES = {
     "deployment_target": "Deployment Target",
     "evaluation": "Evaluation",
     "reward": "Reward",
+    "tracking": "Tracking",
+    "time_budget": "Time Budget",
 }
 REQUIRED_SECTIONS = ("task", "base_model", "chosen_method", "dataset_expectation", "memory_budget", "deployment_target")
 
@@ -179,8 +187,11 @@ class Brief:
     deploy_format: str | None  # one of DEPLOY_FORMATS, or None when the brief leaves it to the export skill
     evaluation: dict[str, Any] = field(default_factory=dict)  # numbers parsed to float where they parse
     reward: list[str] = field(default_factory=list)
+    report_to: str = DEFAULT_TRACKER  # one of TRACKERS
+    tracking_project: str | None = None
     sections: dict[str, str] = field(default_factory=dict)  # canonical key (or the heading's own key) -> raw text
     defaults_applied: list[str] = field(default_factory=list)  # e.g. ["format: messages (default for sft-lora)"]
+    time_budget_s: float | None = None  # "## Time Budget" (optional): preflight warns when the expected wall time exceeds it
 
     @property
     def experiment(self) -> str:
@@ -377,6 +388,21 @@ def _parse_number(v: str) -> Any:
 _GB_UNITS = {"gb": 1.0, "g": 1.0, "gib": 1.073741824, "tb": 1000.0, "t": 1000.0, "tib": 1099.511627776, "mb": 0.001, "mib": 0.001048576}
 
 
+_DURATION_UNITS = {"s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "mins": 60, "minute": 60,
+                   "minutes": 60, "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400, "days": 86400}
+
+
+def parse_duration_s(text: str) -> float | None:
+    """Seconds in '2 h', '90 min', '1h30m', '1.5 hours', '45 minutes'; None when the text holds no duration."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]+)", text.lower())
+    total, seen = 0.0, False
+    for num, unit in parts:
+        if unit in _DURATION_UNITS:
+            total += float(num) * _DURATION_UNITS[unit]
+            seen = True
+    return total if seen else None
+
+
 def _parse_memory_gb(text: str) -> float | None:
     m = re.search(r"(\d+(?:\.\d+)?)\s*(gib|gb|g|tib|tb|t|mib|mb)\b", text.lower())
     if not m:
@@ -548,6 +574,14 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
             problem("memory_budget", f"{_first_line(sections['memory_budget'])!r} is not an amount of memory", "a size such as '4 GB', '96 GiB' or '0.5 TB'")
             mem = None
 
+    # Time budget (optional)
+    time_budget = None
+    if sections.get("time_budget", "").strip():
+        time_budget = parse_duration_s(_first_line(sections["time_budget"]))
+        if not time_budget:
+            problem("time_budget", f"{_first_line(sections['time_budget'])!r} is not a duration", "a duration such as '2 h', '90 min' or '1h30m'")
+            time_budget = None
+
     # Deployment target
     dep_raw = _first_line(sections.get("deployment_target", ""))
     runtime = dep_fmt = None
@@ -576,6 +610,18 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
         problem("reward", "GRPO needs at least one reward function" if "reward" in sections else "section missing (GRPO needs reward functions)",
                 "names such as 'exact_match, format'")
 
+    # Tracking (optional)
+    track = _kv_lines(sections.get("tracking", ""))
+    report_to = DEFAULT_TRACKER
+    raw_tracker = track.get("report_to") or track.get("tracker")
+    if raw_tracker:
+        report_to = re.sub(r"[^a-z]", "", raw_tracker.lower().replace("weightsandbiases", "wandb").replace("w&b", "wandb"))
+        if report_to not in TRACKERS:
+            problem("tracking", f"report_to {raw_tracker!r} is not a tracker finetune-mcp sets up", ", ".join(TRACKERS))
+    elif sections.get("tracking", "").strip():
+        problem("tracking", "no 'report_to: <tracker>' line", ", ".join(TRACKERS))
+    tracking_project = track.get("project") or None
+
     if problems:
         raise BadInput(
             f"the training brief has {len(problems)} problem(s):\n  - " + "\n  - ".join(problems),
@@ -601,8 +647,11 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
         deploy_format=dep_fmt,
         evaluation=evaluation,
         reward=reward,
+        report_to=report_to,
+        tracking_project=tracking_project,
         sections=sections,
         defaults_applied=defaults,
+        time_budget_s=time_budget,
     )
 
 

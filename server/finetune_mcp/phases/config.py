@@ -657,6 +657,8 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         "signal": recipe.signal.model_dump(),
         "brief": {"task": brief.task_slug, "memory_budget_gb": brief.memory_budget_gb,
                   "deployment_target": brief.deployment_target, "evaluation": brief.evaluation},
+        # The brief's Tracking section: train.py points the tracker at a local store under the run's logs/.
+        "tracking": {"report_to": brief.report_to, "project": brief.tracking_project or experiment},
     }
     base_text = (
         f"# {experiment}: what every run of this experiment trains on. Written by finetune-mcp generate_config;\n"

@@ -755,6 +755,7 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
            f"cross-sample attention kept apart by padding-free position_ids restarts ({'verified' if (pk.get('attention') or {}).get('verified') else 'not verified'})"
            if pk.get("enabled") else "- Packing: off"),
           f"- Trainer settings to use (meta.json trainer_settings): {json.dumps(ts)}", ""]
+    L += _masking_lines(tpl.get("masking"))
     L += [f"## {fields['known-limitations-and-risks']}", "", *(f"- {r}" for r in risks), "",
           "Collapse guard readings: " + ", ".join(f"{k} {v}" for k, v in (col.get("values") or {}).items()) + ".", ""]
     return "\n".join(L)

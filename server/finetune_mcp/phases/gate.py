@@ -1,14 +1,17 @@
 """Phase 5, the eval engineer's gate: the eval/ suite, evaluate_checkpoint, and the signed PROMOTE/REJECT verdict.
 
-Eval suite (files in <experiment>/eval/, written with write_eval_file):
-  prompts.jsonl  required  {"prompt": text or [{role, content}...], "expected": text}   task accuracy
+Eval suite (files in <experiment>/eval/, written with write_eval_file; skills/eval-gate says how to read the figures):
+  prompts.jsonl  required  {"prompt": text or [{role, content}...], "expected": text or [accepted answers],
+                           "scorer": name or {"name", options} (optional; else the suite default)}   task accuracy
   goldens.jsonl  optional  {"prompt": ..., "output": text (optional)}   golden prompts; the outputs of the
                            adapter on them are recorded at evaluation, signed into the verdict, and
                            replayed by export's smoke test. With "output", the adapter must reproduce it.
                            Without goldens.jsonl the first prompts of prompts.jsonl serve.
-  drift.jsonl    optional  {"prompt": ...}   prompts whose base-model answers should not change
-  eval.yaml      optional  thresholds (override the brief's ## Evaluation), match, max_new_tokens,
-                           drift_max_new_tokens, loss_data (prepared | prompts), max_loss_rows, goldens
+  drift.jsonl    optional  {"prompt": ...}   general prompts for KL(base || tuned); else the shipped set
+  eval.yaml      optional  thresholds (override the brief's ## Evaluation), scorer (suite default), max_new_tokens,
+                           drift_max_new_tokens, batch_size, loss_data (prepared | prompts), max_loss_rows, goldens,
+                           perplexity_text / perplexity_window / perplexity_max_tokens
+Each evaluation also writes eval/reports/<run tag>.md: every prompt's base and fine-tuned answers side by side.
 """
 
 from __future__ import annotations
@@ -17,27 +20,43 @@ import hashlib
 import json
 import math
 import re
+import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
 from finetune_mcp import schemas as S
+from finetune_mcp import scoring
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.digest import DIGEST_FILE, verify_folder
 from finetune_mcp.errors import BadInput, Forbidden, FtError, NotFound, Refused
 from finetune_mcp.workspace import parse_run_ref, utc_now
 
 SKILL = "quantized-export"
+EVAL_SKILL = "eval-gate"
 EVAL_DIR = "eval"
+REPORTS_DIR = "reports"
+_DRIFT_DATA = Path(__file__).resolve().parents[1] / "drift"
+GENERAL_TEXT = _DRIFT_DATA / "general-text.txt"
+GENERAL_PROMPTS = _DRIFT_DATA / "general-prompts.jsonl"
 SUITE_FILES = ("prompts.jsonl", "goldens.jsonl", "drift.jsonl", "eval.yaml")
 EVAL_REPORT = "eval-report.md"
 PROMOTION_REPORT = "promotion-report.md"
 EVAL_MARKER = "<!-- finetune-mcp:eval-result (written by evaluate_checkpoint) -->"
 _EVAL_BLOCK = re.compile(re.escape(EVAL_MARKER) + r"\s*```json\n(.*?)\n```", re.S)
 MAX_EVAL_FILE = 5 * 1024 * 1024
-THRESHOLD_KEYS = {"min_accuracy": "task accuracy", "max_drift": "drift", "max_eval_loss": "eval loss"}
-EVAL_YAML_KEYS = {"thresholds", "match", "max_new_tokens", "drift_max_new_tokens", "loss_data", "max_loss_rows", "goldens"}
+THRESHOLD_KEYS = {
+    "min_accuracy": "task accuracy",
+    "max_eval_loss": "eval loss",
+    "max_kl": "mean per-token KL(base || tuned) on general prompts",
+    "max_perplexity_ratio": "perplexity ratio (tuned / base) on a general text",
+    "max_drift": "share of general prompts whose greedy answer changed",
+}
+# A PROMOTE needs a bar for harm: each of these set, or waived on purpose (null in eval/eval.yaml).
+DRIFT_THRESHOLDS = ("max_kl", "max_perplexity_ratio")
+EVAL_YAML_KEYS = {"thresholds", "scorer", "match", "max_new_tokens", "drift_max_new_tokens", "batch_size", "loss_data", "max_loss_rows",
+                  "goldens", "perplexity_text", "perplexity_window", "perplexity_max_tokens"}
 MIN_GOLDENS, MAX_GOLDENS = 3, 5
 
 
@@ -141,21 +160,25 @@ def prepared_eval_split(pc: PhaseContext, config: dict[str, Any]) -> Path | None
 
 
 def append_roadbook(pc: PhaseContext, r: Path, line: str) -> None:
-    """One line per lifecycle event; skipped quietly where the role may not write the roadbook."""
-    p = r / "roadbook.md"
-    try:
-        pc.guard.check_write(p)
-    except FtError:
-        return
-    with open(p, "a", encoding="utf-8") as f:
-        f.write(f"- {utc_now()} {line}\n")
+    """One line per lifecycle event, under the run's lock; skipped quietly where the role may not write the roadbook."""
+    from finetune_mcp import roadbook
+
+    roadbook.append(pc.guard, r, line)
 
 
 # ---------------------------------------------------------------- suite files
 
 
-def _jsonl(text: str, name: str, required: tuple[str, ...], optional: tuple[str, ...]) -> list[dict]:
-    rows = []
+class Rows(list):
+    """The rows of a suite file, with the line each came from (for messages that name it)."""
+
+    def __init__(self, rows=(), lines=()):
+        super().__init__(rows)
+        self.lines = list(lines)
+
+
+def _jsonl(text: str, name: str, required: tuple[str, ...], optional: tuple[str, ...]) -> Rows:
+    rows = Rows()
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -180,10 +203,19 @@ def _jsonl(text: str, name: str, required: tuple[str, ...], optional: tuple[str,
         ):
             raise BadInput(f"eval/{name} line {i}: prompt must be non-empty text or a list of {{role, content}} messages",
                            where=f"{where}: prompt")
-        for k in ("expected", "output"):
-            if k in row and row[k] is not None and not isinstance(row[k], str):
-                raise BadInput(f"eval/{name} line {i}: {k} must be text", where=f"{where}: {k}")
+        if "output" in row and row["output"] is not None and not isinstance(row["output"], str):
+            raise BadInput(f"eval/{name} line {i}: output must be text", where=f"{where}: output")
+        if "expected" in row:
+            e = row["expected"]
+            if not (isinstance(e, str) or (isinstance(e, list) and e and all(isinstance(x, str) and x.strip() for x in e))):
+                raise BadInput(f"eval/{name} line {i}: expected must be text or a non-empty list of accepted answers (texts)",
+                               where=f"{where}: expected", fix='e.g. "expected": "Paris" or "expected": ["Paris", "paris, France"]')
+        if "scorer" in row:
+            # Options it leaves out may come from the suite default (eval.yaml): resolve_scorers completes it.
+            row_spec = scoring.parse_spec(row["scorer"], f"{where}: scorer", complete=False)
+            scoring.check_expected(row_spec, scoring.accepted(row["expected"]), f"{where}: expected")
         rows.append(row)
+        rows.lines.append(i)
     return rows
 
 
@@ -191,34 +223,50 @@ def _eval_yaml(text: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text) if text.strip() else {}
     except yaml.YAMLError as e:
-        raise BadInput(f"eval/eval.yaml is not valid YAML: {e}", where="eval/eval.yaml") from None
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        raise BadInput(f"eval/eval.yaml is not valid YAML: {e}", where="eval/eval.yaml" + (f":{line + 1}" if line is not None else "")) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise BadInput("eval/eval.yaml must be a mapping", where="eval/eval.yaml")
     unknown = set(data) - EVAL_YAML_KEYS
     if unknown:
-        raise BadInput(f"eval/eval.yaml has unknown key(s) {sorted(unknown)}", where="eval/eval.yaml", fix=f"allowed: {', '.join(sorted(EVAL_YAML_KEYS))}")
+        k = sorted(unknown)[0]
+        raise BadInput(f"eval/eval.yaml has unknown key(s) {sorted(unknown)}{scoring.did_you_mean(k, EVAL_YAML_KEYS) if len(unknown) == 1 else ''}",
+                       where="eval/eval.yaml", fix=f"allowed: {', '.join(sorted(EVAL_YAML_KEYS))}")
     th = data.get("thresholds") or {}
-    if not isinstance(th, dict) or set(th) - set(THRESHOLD_KEYS):
-        raise BadInput(f"eval/eval.yaml thresholds may set only {', '.join(THRESHOLD_KEYS)}", where="eval/eval.yaml: thresholds")
+    if not isinstance(th, dict):
+        raise BadInput("eval/eval.yaml thresholds must be a mapping", where="eval/eval.yaml: thresholds")
     for k, v in th.items():
+        if k not in THRESHOLD_KEYS:
+            raise BadInput(f"eval/eval.yaml thresholds.{k} is not a threshold{scoring.did_you_mean(k, THRESHOLD_KEYS)}",
+                           where=f"eval/eval.yaml: thresholds.{k}", fix=f"thresholds: {', '.join(THRESHOLD_KEYS)}")
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
-            raise BadInput(f"eval/eval.yaml thresholds.{k} must be a number", where=f"eval/eval.yaml: thresholds.{k}")
-    if data.get("match", "exact") not in ("exact", "first_line"):
-        raise BadInput("eval/eval.yaml match must be exact or first_line", where="eval/eval.yaml: match")
+            raise BadInput(f"eval/eval.yaml thresholds.{k} must be a number (or null to waive it)", where=f"eval/eval.yaml: thresholds.{k}")
+    if "match" in data and "scorer" in data:
+        raise BadInput("eval/eval.yaml sets both match and scorer", where="eval/eval.yaml: match", fix="keep scorer (match is its older name)")
+    if "match" in data and data["match"] not in ("exact", "first_line"):
+        raise BadInput("eval/eval.yaml match must be exact or first_line", where="eval/eval.yaml: match",
+                       fix=f"for other scorers use scorer: one of {', '.join(scoring.SCORERS)}")
+    data["scorer_spec"] = scoring.parse_spec(data.get("scorer", data.get("match", scoring.DEFAULT_SCORER)), "eval/eval.yaml: scorer")
     if data.get("loss_data", "prepared") not in ("prepared", "prompts"):
         raise BadInput("eval/eval.yaml loss_data must be prepared or prompts", where="eval/eval.yaml: loss_data")
-    for k, lo, hi in (("max_new_tokens", 1, 4096), ("drift_max_new_tokens", 1, 4096), ("max_loss_rows", 1, 100000), ("goldens", MIN_GOLDENS, MAX_GOLDENS)):
+    for k, lo, hi in (("max_new_tokens", 1, 4096), ("drift_max_new_tokens", 1, 4096), ("max_loss_rows", 1, 100000),
+                      ("goldens", MIN_GOLDENS, MAX_GOLDENS), ("batch_size", 1, 1024), ("perplexity_window", 16, 32768),
+                      ("perplexity_max_tokens", 16, 1_000_000)):
         v = data.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi):
             raise BadInput(f"eval/eval.yaml {k} must be an integer from {lo} to {hi}", where=f"eval/eval.yaml: {k}")
+    pt = data.get("perplexity_text")
+    if pt is not None and (not isinstance(pt, str) or not pt or "/" in pt or "\\" in pt or pt.startswith(".") or pt in SUITE_FILES):
+        raise BadInput("eval/eval.yaml perplexity_text must name a text file directly inside eval/ (or be left out for the shipped text)",
+                       where="eval/eval.yaml: perplexity_text", fix="e.g. perplexity_text: general.txt, written with write_eval_file")
     return data
 
 
 def validate_suite_file(name: str, text: str) -> Any:
     if name == "prompts.jsonl":
-        return _jsonl(text, name, ("prompt", "expected"), ())
+        return _jsonl(text, name, ("prompt", "expected"), ("scorer",))
     if name == "goldens.jsonl":
         return _jsonl(text, name, ("prompt",), ("output",))
     if name == "drift.jsonl":
@@ -226,6 +274,19 @@ def validate_suite_file(name: str, text: str) -> Any:
     if name == "eval.yaml":
         return _eval_yaml(text)
     return None
+
+
+def resolve_scorers(prompts: Rows, opts: dict[str, Any]) -> list[scoring.ScorerSpec]:
+    """Each prompt's scorer: its own (options it leaves out come from the suite default when it names the same
+    scorer), else the suite default; accepted answers checked against the scorer that will use them."""
+    default = opts.get("scorer_spec") or scoring.parse_spec(scoring.DEFAULT_SCORER, "eval/eval.yaml: scorer")
+    specs = []
+    for row, line in zip(prompts, prompts.lines or [None] * len(prompts)):
+        where = f"eval/prompts.jsonl:{line}" if line else "eval/prompts.jsonl"
+        spec = scoring.parse_spec(row["scorer"], f"{where}: scorer", inherit=default) if "scorer" in row else default
+        scoring.check_expected(spec, scoring.accepted(row["expected"]), f"{where}: expected")
+        specs.append(spec)
+    return specs
 
 
 def load_suite(e: Path) -> dict[str, Any]:
@@ -240,6 +301,22 @@ def load_suite(e: Path) -> dict[str, Any]:
     suite = {n: validate_suite_file(n, t) for n, t in texts.items()}
     if not suite["prompts.jsonl"]:
         raise Refused("eval/prompts.jsonl has no rows", where=str(d / "prompts.jsonl"), fix="add at least one {\"prompt\", \"expected\"} line")
+    opts = suite.get("eval.yaml") or {}
+    suite["scorers"] = resolve_scorers(suite["prompts.jsonl"], opts)
+    pt = opts.get("perplexity_text")
+    if pt:
+        if not (d / pt).is_file():
+            raise Refused(f"eval/eval.yaml names perplexity_text {pt!r}, which is not in eval/", where=str(d / pt),
+                          fix="write it with write_eval_file, or drop perplexity_text to use the shipped public-domain text")
+        texts[pt] = (d / pt).read_text(encoding="utf-8")
+        suite["general_text"], suite["general_text_source"] = texts[pt], f"eval/{pt}"
+    else:
+        suite["general_text"], suite["general_text_source"] = GENERAL_TEXT.read_text(encoding="utf-8"), f"shipped {GENERAL_TEXT.name} (public domain)"
+    if suite.get("drift.jsonl"):
+        suite["drift_prompts"], suite["drift_source"] = suite["drift.jsonl"], "eval/drift.jsonl"
+    else:
+        suite["drift_prompts"] = validate_suite_file("drift.jsonl", GENERAL_PROMPTS.read_text(encoding="utf-8"))
+        suite["drift_source"] = f"shipped {GENERAL_PROMPTS.name}"
     h = hashlib.sha256()
     for n in sorted(texts):
         h.update(n.encode() + b"\0" + hashlib.sha256(texts[n].encode()).hexdigest().encode() + b"\n")
@@ -268,6 +345,13 @@ def write_eval_file(pc: PhaseContext, experiment: str, relpath: str, content: st
     if not target.is_relative_to(real_eval):
         raise Forbidden(f"relpath {relpath!r} resolves outside the experiment's eval/", where=str(target))
     rows = validate_suite_file(rel.name, content) if len(rel.parts) == 1 else None
+    if len(rel.parts) == 1 and rel.name in ("prompts.jsonl", "eval.yaml"):
+        # The suite default scorer decides what an accepted answer must look like (numbers for numeric):
+        # check the pair as it will stand, before anything is written.
+        other = eval_dir / ("eval.yaml" if rel.name == "prompts.jsonl" else "prompts.jsonl")
+        if other.is_file():
+            texts = {rel.name: content, other.name: other.read_text(encoding="utf-8")}
+            resolve_scorers(validate_suite_file("prompts.jsonl", texts["prompts.jsonl"]), validate_suite_file("eval.yaml", texts["eval.yaml"]))
     pc.guard.write_text(target, content)
     committed = None
     try:
@@ -345,10 +429,6 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
     brief = load_run_brief(r, e)
     thresholds, th_source = _thresholds(brief, suite)
     opts = suite.get("eval.yaml") or {}
-    drift_rows = suite.get("drift.jsonl") or []
-    if "max_drift" in thresholds and not drift_rows:
-        raise Refused("a max_drift threshold is set but the suite has no drift prompts", where=str(e / EVAL_DIR / "drift.jsonl"),
-                      fix="write eval/drift.jsonl ({\"prompt\"} per line) with write_eval_file, or clear max_drift in eval/eval.yaml")
     n_gold = int(opts.get("goldens") or MAX_GOLDENS)
     goldens = suite.get("goldens.jsonl") or [{"prompt": p["prompt"]} for p in suite["prompts.jsonl"][:n_gold]]
 
@@ -366,15 +446,19 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
     params = {
         "base_model": base_model_of(pc, r, brief),
         "adapter_dir": str(r / "adapter"),
-        "prompts": suite["prompts.jsonl"],
+        "prompts": [{"prompt": row["prompt"], "expected": scoring.accepted(row["expected"]), "scorer": spec.to_json()}
+                    for row, spec in zip(suite["prompts.jsonl"], suite["scorers"])],
         "goldens": goldens,
-        "drift": drift_rows,
+        "drift": [{"prompt": d["prompt"]} for d in suite["drift_prompts"]],
+        "general_text": suite["general_text"],
+        "perplexity_window": opts.get("perplexity_window"),
+        "perplexity_max_tokens": opts.get("perplexity_max_tokens"),
         "loss_file": loss_file,
         "loss_rows": loss_rows,
         "max_loss_rows": opts.get("max_loss_rows"),
         "max_new_tokens": opts.get("max_new_tokens"),
         "drift_max_new_tokens": opts.get("drift_max_new_tokens"),
-        "match": opts.get("match", "exact"),
+        "batch_size": opts.get("batch_size"),
         "max_length": brief.max_seq_length if brief else None,
     }
     res = run_job("evaluate", params, progress=pc.progress, timeout=3600)
@@ -382,7 +466,21 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
     if adapter_digest(r, run_id) != digest:
         raise Refused("adapter/ changed while it was being evaluated", where=str(r / "adapter"), fix="call evaluate_checkpoint again")
 
-    measured = {"min_accuracy": res.get("task_accuracy"), "max_drift": res.get("drift"), "max_eval_loss": res.get("eval_loss")}
+    ppl = res.get("perplexity") or {}
+    drift = {
+        "kl": res.get("kl"),
+        "perplexity_ratio": ppl.get("ratio"),
+        "perplexity_base": ppl.get("base"),
+        "perplexity_tuned": ppl.get("tuned"),
+        "changed_share": res.get("changed_share"),
+        "prompts": len(res.get("drift_items") or []),
+        "kl_tokens": res.get("kl_tokens"),
+        "perplexity_tokens": ppl.get("tokens"),
+        "prompts_source": suite["drift_source"],
+        "text_source": suite["general_text_source"],
+    }
+    measured = {"min_accuracy": res.get("task_accuracy"), "max_eval_loss": res.get("eval_loss"), "max_kl": drift["kl"],
+                "max_perplexity_ratio": drift["perplexity_ratio"], "max_drift": drift["changed_share"]}
     passed: dict[str, bool] = {}
     for k, limit in thresholds.items():
         v = measured[k]
@@ -390,8 +488,13 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
     golden_checked = [g for g in res["goldens"] if "match" in g]
     if golden_checked:
         passed["goldens"] = all(g["match"] for g in golden_checked)
+    unset = [k for k in DRIFT_THRESHOLDS if k not in thresholds and k not in th_source]
 
     evaluated_at = utc_now()
+    scorers: dict[str, int] = {}
+    for it in res["items"]:
+        scorers[it["scorer_label"]] = scorers.get(it["scorer_label"], 0) + 1
+    side_path = e / EVAL_DIR / REPORTS_DIR / f"{run_id.split('/', 1)[1]}.md"
     machine = {
         "run_id": run_id,
         "adapter_sha256": digest,
@@ -400,84 +503,161 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         "evaluated_at": evaluated_at,
         "task_accuracy": res.get("task_accuracy"),
         "base_accuracy": res.get("base_accuracy"),
+        "scorers": scorers,
+        "side_by_side": res.get("side_by_side"),
         "eval_loss": res.get("eval_loss"),
         "base_eval_loss": res.get("base_eval_loss"),
-        "drift": res.get("drift"),
+        "drift": drift,
         "golden_match": res.get("golden_match"),
         "thresholds": thresholds,
         "threshold_sources": th_source,
+        "drift_thresholds_unset": unset,
         "passed": passed,
         "max_new_tokens": res.get("max_new_tokens"),
+        "drift_max_new_tokens": res.get("drift_max_new_tokens"),
+        "batch_size": res.get("batch_size"),
         "goldens": [{"prompt": g["prompt"], "output": g["output"]} for g in res["goldens"]],
         "loss_source": loss_source,
         "loss_rows": res.get("loss_rows"),
+        "side_by_side_report": str(side_path),
         "versions": res.get("versions"),
+        "timings_s": res.get("timings"),
     }
     report_path = r / EVAL_REPORT
     pc.guard.write_text(report_path, _eval_report(run_id, machine, res))
+    pc.guard.write_text(side_path, _side_by_side_report(run_id, machine, res))
+    try:
+        from finetune_mcp.workspace import commit
+
+        commit(pc.ws.experiments_repo, [side_path], f"eval: {experiment}/{EVAL_DIR}/{REPORTS_DIR}/{side_path.name}")
+    except (FtError, ValueError):
+        pass  # the report stands uncommitted; the next commit in eval/ takes it
 
     failed = [k for k, ok in passed.items() if not ok]
     n = len(res["items"])
+    sbs = res.get("side_by_side") or {}
     summary = (
-        f"{run_id}: task accuracy {_fmt(res.get('task_accuracy'))} (base {_fmt(res.get('base_accuracy'))}) on {n} prompts, "
-        f"eval loss {_fmt(res.get('eval_loss'))}, drift {_fmt(res.get('drift'))}; "
+        f"{run_id}: task accuracy {_fmt(res.get('task_accuracy'))} (base {_fmt(res.get('base_accuracy'))}) on {n} prompts "
+        f"[{', '.join(f'{k} x{v}' for k, v in scorers.items())}]: {sbs.get('improved', 0)} improved, {sbs.get('regressed', 0)} regressed, "
+        f"{sbs.get('unchanged', 0)} unchanged; eval loss {_fmt(res.get('eval_loss'))}; drift KL {_fmt(drift['kl'])} nats/token, "
+        f"perplexity ratio {_fmt(drift['perplexity_ratio'])}; "
         + (f"FAILS {', '.join(failed)}" if failed else ("passes every threshold" if passed else "no thresholds set"))
+        + (f"; no threshold set for {', '.join(unset)} (a PROMOTE needs one)" if unset else "")
     )
     details: list[dict[str, Any]] = []
-    for it in res["items"]:
-        if not it["correct"] and len(details) < 10:
-            details.append({"kind": "wrong", "prompt": it["prompt"], "expected": it["expected"], "output": it["output"]})
     for d in res.get("drift_items") or []:
-        if d["changed"] and len(details) < 20:
-            details.append({"kind": "drift", "prompt": d["prompt"], "base_output": d["base_output"], "output": d["output"]})
+        if d["changed"] and len(details) < 10:
+            details.append({"kind": "drift", "prompt": d["prompt"], "base_output": d["base_output"], "kl": d["kl"],
+                            "first_divergence": d["first_divergence"]})
     for g in res["goldens"]:
         details.append({"kind": "golden", "prompt": g["prompt"], "output": g["output"], **({"golden": g["golden"], "match": g["match"]} if "match" in g else {})})
+    items = [S.EvalItem(prompt=it["prompt"], expected=it["expected"], scorer=it["scorer_label"], base_output=it["base_output"],
+                        output=it["output"], base_correct=it["base_correct"], correct=it["correct"], base_score=it["base_score"],
+                        score=it["score"], change=it["change"]) for it in res["items"]]
     return S.EvalResult(
         summary=summary,
-        citations=[],
+        citations=[pc.skills.cite(EVAL_SKILL, "scorers"), pc.skills.cite(EVAL_SKILL, "drift")],
         run_id=run_id,
         task_accuracy=res.get("task_accuracy"),
         base_accuracy=res.get("base_accuracy"),
         eval_loss=res.get("eval_loss"),
-        drift=res.get("drift"),
+        drift=S.DriftFigures(**drift),
+        side_by_side=S.SideBySide(**sbs),
+        scorers=scorers,
+        items=items,
         thresholds={k: {"value": v, "source": th_source[k]} for k, v in thresholds.items()},
         passed=passed,
         details=details,
         report=str(report_path),
+        side_by_side_report=str(side_path),
     )
 
 
-def _eval_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) -> str:
-    rows = [
-        ("task accuracy", m["task_accuracy"], "min_accuracy"),
-        ("base accuracy", m["base_accuracy"], None),
-        ("eval loss", m["eval_loss"], "max_eval_loss"),
-        ("base eval loss", m["base_eval_loss"], None),
-        ("drift", m["drift"], "max_drift"),
-        ("golden match", m["golden_match"], "goldens" if "goldens" in m["passed"] else None),
+def _threshold_rows(m: dict[str, Any]) -> list[tuple[str, Any, str | None]]:
+    d = m.get("drift") or {}
+    return [
+        ("task accuracy", m.get("task_accuracy"), "min_accuracy"),
+        ("base accuracy", m.get("base_accuracy"), None),
+        ("eval loss", m.get("eval_loss"), "max_eval_loss"),
+        ("base eval loss", m.get("base_eval_loss"), None),
+        ("drift: mean KL(base ‖ tuned), nats/token", d.get("kl"), "max_kl"),
+        ("drift: perplexity ratio tuned / base", d.get("perplexity_ratio"), "max_perplexity_ratio"),
+        ("drift: general prompts whose answer changed", d.get("changed_share"), "max_drift"),
+        ("golden match", m.get("golden_match"), "goldens" if "goldens" in m["passed"] else None),
     ]
-    out = [f"# Evaluation: {run_id}", "", f"Evaluated {m['evaluated_at']} against adapter sha256 `{m['adapter_sha256']}` "
-           f"with suite {', '.join('eval/' + f for f in m['suite_files'])} (sha256 `{m['suite_sha256'][:16]}…`).", "",
-           "| metric | value | threshold | pass |", "|---|---|---|---|"]
-    for name, v, key in rows:
+
+
+def _metric_table(m: dict[str, Any]) -> list[str]:
+    out = ["| metric | value | threshold | pass |", "|---|---|---|---|"]
+    for name, v, key in _threshold_rows(m):
         th = m["thresholds"].get(key) if key else None
         ok = m["passed"].get(key) if key else None
-        th_s = f"{'≥' if key and key.startswith('min_') else '≤'} {th} ({m['threshold_sources'][key]})" if th is not None else ("all match" if key == "goldens" else "")
+        if th is not None:
+            th_s = f"{'≥' if key.startswith('min_') else '≤'} {th:g} ({m['threshold_sources'][key]})"
+        elif key == "goldens":
+            th_s = "all match"
+        elif key in DRIFT_THRESHOLDS:
+            th_s = "waived: " + m["threshold_sources"][key] if key in m["threshold_sources"] else "**not set**"
+        else:
+            th_s = ""
         out.append(f"| {name} | {_fmt(v)} | {th_s} | {'' if ok is None else ('yes' if ok else 'NO')} |")
-    out += ["", f"Eval loss: {m['loss_source']}, {m['loss_rows']} rows.", "", "## Task prompts", "",
-            "| # | prompt | expected | adapter | base | ok |", "|---|---|---|---|---|---|"]
-    for i, it in enumerate(res["items"], 1):
-        out.append(f"| {i} | {_cell(_prompt_text(it['prompt']), 50)} | {_cell(it['expected'], 40)} | {_cell(it['output'], 40)} | "
-                   f"{_cell(it['base_output'], 40)} | {'yes' if it['correct'] else 'no'} |")
+    return out
+
+
+def _eval_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) -> str:
+    d = m["drift"]
+    sbs = m.get("side_by_side") or {}
+    out = [f"# Evaluation: {run_id}", "", f"Evaluated {m['evaluated_at']} against adapter sha256 `{m['adapter_sha256']}` "
+           f"with suite {', '.join('eval/' + f for f in m['suite_files'])} (sha256 `{m['suite_sha256'][:16]}…`).", "",
+           *_metric_table(m), "",
+           f"Scorers: {', '.join(f'{k} ({v} prompts)' for k, v in m['scorers'].items())}. "
+           f"Side by side: {sbs.get('improved', 0)} improved, {sbs.get('regressed', 0)} regressed, {sbs.get('unchanged', 0)} unchanged "
+           f"(every answer: `{m['side_by_side_report']}`).", "",
+           f"Eval loss: {m['loss_source']}, {m['loss_rows']} rows. KL: {d['prompts']} prompts from {d['prompts_source']}, "
+           f"{d['kl_tokens']} continuation tokens of up to {m['drift_max_new_tokens']}. Perplexity: {d['text_source']}, "
+           f"{d['perplexity_tokens']} tokens (base {_fmt(d['perplexity_base'])}, tuned {_fmt(d['perplexity_tuned'])}).", ""]
     if res.get("drift_items"):
-        out += ["", "## Drift prompts (base answer should not change)", "", "| # | prompt | base | adapter | changed |", "|---|---|---|---|---|"]
-        for i, d in enumerate(res["drift_items"], 1):
-            out.append(f"| {i} | {_cell(_prompt_text(d['prompt']), 50)} | {_cell(d['base_output'], 50)} | {_cell(d['output'], 50)} | {'yes' if d['changed'] else 'no'} |")
+        out += ["## Drift prompts (the base model's own continuation, and how far the fine-tuned model follows it)", "",
+                "| # | prompt | base continuation | KL | tuned parts at token |", "|---|---|---|---|---|"]
+        for i, it in enumerate(res["drift_items"], 1):
+            fd = it["first_divergence"]
+            out.append(f"| {i} | {_cell(_prompt_text(it['prompt']), 40)} | {_cell(it['base_output'], 60)} | {_fmt(it['kl'])} | "
+                       f"{'never' if fd is None else fd} |")
     out += ["", "## Goldens (recorded outputs; export replays them)", "", "| # | prompt | output | golden | match |", "|---|---|---|---|---|"]
     for i, g in enumerate(res["goldens"], 1):
         out.append(f"| {i} | {_cell(_prompt_text(g['prompt']), 50)} | {_cell(g['output'], 50)} | {_cell(g.get('golden', ''), 50)} | "
                    f"{'' if 'match' not in g else ('yes' if g['match'] else 'NO')} |")
     out += ["", EVAL_MARKER, "```json", json.dumps(m, indent=2, ensure_ascii=False, sort_keys=True), "```", ""]
+    return "\n".join(out)
+
+
+def _quote_block(text: str) -> list[str]:
+    """Model output shown verbatim in markdown: an indented block keeps newlines and cannot break the page;
+    control characters (an untrained model emits them) are shown escaped."""
+    text = "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else f"\\x{ord(c):02x}" for c in (text or "(empty)"))
+    return ["    " + line for line in text.splitlines()] or ["    (empty)"]
+
+
+def _side_by_side_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) -> str:
+    sbs = m.get("side_by_side") or {}
+    out = [f"# Side by side: {run_id}", "",
+           f"Base model vs fine-tuned (base + adapter `{m['adapter_sha256'][:12]}…`), greedy, up to {m['max_new_tokens']} new tokens; "
+           f"evaluated {m['evaluated_at']}. Written by evaluate_checkpoint; the figures and thresholds are in the run's {EVAL_REPORT}.", "",
+           "| | prompts |", "|---|---|",
+           f"| improved (base wrong, fine-tuned right) | {sbs.get('improved', 0)} |",
+           f"| regressed (base right, fine-tuned wrong) | {sbs.get('regressed', 0)} |",
+           f"| unchanged | {sbs.get('unchanged', 0)} |", "",
+           f"Accuracy: base {_fmt(m['base_accuracy'])} → fine-tuned {_fmt(m['task_accuracy'])}. "
+           f"Scorers: {', '.join(f'{k} ({v})' for k, v in m['scorers'].items())}.", ""]
+    order = {"regressed": 0, "improved": 1, "unchanged": 2}
+    for i, it in sorted(enumerate(res["items"], 1), key=lambda x: (order[x[1]["change"]], x[0])):
+        exp = it["expected"]
+        shown = exp[0] if len(exp) == 1 else " | ".join(exp)
+        score = "" if it["scorer"]["name"] != "rouge_l" else f" (ROUGE-L {it['base_score']:.2f} → {it['score']:.2f})"
+        out += [f"## {i}. {it['change']}: {_cell(_prompt_text(it['prompt']), 70)}", "",
+                f"Scorer `{it['scorer_label']}`; accepted: `{_cell(shown, 200)}`{score}", "",
+                f"**Base** ({'right' if it['base_correct'] else 'wrong'}):", "", *_quote_block(it["base_output"]), "",
+                f"**Fine-tuned** ({'right' if it['correct'] else 'wrong'}):", "", *_quote_block(it["output"]), ""]
     return "\n".join(out)
 
 
@@ -517,6 +697,14 @@ def record_verdict(pc: PhaseContext, run_id: str, verdict: str, evidence: str, t
                 where=str(r / EVAL_REPORT),
                 fix="record REJECT with the top remediation; or, if a threshold is wrong, change it in eval/eval.yaml and evaluate again",
             )
+        unset = [k for k in DRIFT_THRESHOLDS if k not in (ev.get("thresholds") or {}) and k not in (ev.get("threshold_sources") or {})]
+        if unset:
+            raise Refused(
+                f"the evaluation had no threshold for {', '.join(unset)}: a PROMOTE needs a bar for harm to general ability",
+                where=str(e / EVAL_DIR / "eval.yaml"),
+                fix=f"set thresholds {', '.join(unset)} in eval/eval.yaml (or in the brief's ## Evaluation), or waive one on purpose with "
+                    f"null, then evaluate again; {EVAL_SKILL}#drift says how to choose them",
+            )
         goldens = (ev.get("goldens") or [])[:MAX_GOLDENS]
         if len(goldens) < MIN_GOLDENS:
             raise Refused(f"the evaluation recorded {len(goldens)} golden outputs; export's smoke test needs {MIN_GOLDENS}-{MAX_GOLDENS}",
@@ -532,7 +720,8 @@ def record_verdict(pc: PhaseContext, run_id: str, verdict: str, evidence: str, t
         "evidence": evidence,
         "top_remediation": top_remediation,
         "eval_report_sha256": hashlib.sha256((r / EVAL_REPORT).read_bytes()).hexdigest() if ev is not None else None,
-        "metrics": {k: ev.get(k) for k in ("task_accuracy", "base_accuracy", "eval_loss", "drift", "passed", "evaluated_at", "max_new_tokens")} if ev else None,
+        "metrics": {k: ev.get(k) for k in ("task_accuracy", "base_accuracy", "scorers", "side_by_side", "eval_loss", "drift", "thresholds",
+                                           "threshold_sources", "passed", "evaluated_at", "max_new_tokens")} if ev else None,
         "goldens": goldens,
         "signed_at": signed_at,
     }
@@ -541,7 +730,7 @@ def record_verdict(pc: PhaseContext, run_id: str, verdict: str, evidence: str, t
     pc.guard.write_text(report, _promotion_report(block))
     return S.VerdictResult(
         summary=f"{verdict} recorded for {run_id}, signed ({block['key_id']}) over adapter {digest[:12]}…",
-        citations=[pc.skills.cite("quantized-export", "verdict-gate")],
+        citations=[pc.skills.cite("quantized-export", "verdict-gate"), pc.skills.cite(EVAL_SKILL, "drift")],
         run_id=run_id,
         verdict=verdict,
         adapter_sha256=digest,
@@ -564,9 +753,24 @@ def _promotion_report(b: dict[str, Any]) -> str:
         out += ["## Top remediation", "", *_quote(b["top_remediation"]), ""]
     if b.get("metrics"):
         m = b["metrics"]
-        out += ["## Evaluation", "", f"Task accuracy {_fmt(m.get('task_accuracy'))} (base {_fmt(m.get('base_accuracy'))}), "
-                f"eval loss {_fmt(m.get('eval_loss'))}, drift {_fmt(m.get('drift'))}; evaluated {m.get('evaluated_at')}. "
-                f"Thresholds passed: {', '.join(k for k, v in (m.get('passed') or {}).items() if v) or 'none set'}.", ""]
+        d = m.get("drift") if isinstance(m.get("drift"), dict) else {}
+        th, src = m.get("thresholds") or {}, m.get("threshold_sources") or {}
+
+        def bar(key: str) -> str:
+            if key in th:
+                return f"threshold {'≥' if key.startswith('min_') else '≤'} {th[key]:g} from {src.get(key)}, " + ("passed" if (m.get("passed") or {}).get(key) else "FAILED")
+            return "waived in " + src[key].replace(" (cleared)", "") if key in src else "no threshold set"
+
+        sbs = m.get("side_by_side") or {}
+        out += ["## Evaluation", "",
+                f"- Task accuracy {_fmt(m.get('task_accuracy'))} (base {_fmt(m.get('base_accuracy'))}), scored with "
+                f"{', '.join(f'{k} ({v})' for k, v in (m.get('scorers') or {}).items()) or 'n/a'}; {bar('min_accuracy')}. "
+                f"Side by side: {sbs.get('improved', 0)} improved, {sbs.get('regressed', 0)} regressed, {sbs.get('unchanged', 0)} unchanged.",
+                f"- Drift, mean per-token KL(base ‖ tuned) on the base model's own continuations of {d.get('prompts', 'n/a')} general prompts: "
+                f"{_fmt(d.get('kl'))} nats/token; {bar('max_kl')}.",
+                f"- Drift, perplexity ratio tuned / base on {d.get('text_source', 'a general text')}: {_fmt(d.get('perplexity_ratio'))} "
+                f"({_fmt(d.get('perplexity_base'))} → {_fmt(d.get('perplexity_tuned'))}); {bar('max_perplexity_ratio')}.",
+                f"- Eval loss {_fmt(m.get('eval_loss'))}; {bar('max_eval_loss')}. Evaluated {m.get('evaluated_at')}.", ""]
     if b.get("goldens"):
         out += ["## Goldens (export's smoke test must reproduce these)", "", "| # | prompt | output |", "|---|---|---|"]
         for i, g in enumerate(b["goldens"], 1):

@@ -458,16 +458,72 @@ def _bf16(observed, check, platform) -> Outcome:
     return Outcome(bad, f"torch could not answer and compute capability is {cap_s}", thr)
 
 
-def _cpu_fit(check, est: dict | None, method: str, model: dict | None) -> Outcome:
+def _cpu_fit(check, method: str) -> Outcome:
     t = check.thresholds
-    params = (est or {}).get("params")
-    thr = f"<= {t.max_params:,} parameters; method not in {t.gpu_only_methods}"
-    name = (model or {}).get("name", "the base model")
-    seen = f"{name}: {params:,} parameters, method {method}" if params else f"{name}: parameter count unknown, method {method}"
+    thr = f"method not in {t.gpu_only_methods}"
     if method in (t.gpu_only_methods or []):
-        return Outcome("warn", seen, thr, ("gpu-only-method",))
-    if params is None or params > (t.max_params or 0):
-        return Outcome("warn", seen, thr)
+        return Outcome("warn", f"method {method}", thr, ("gpu-only-method",))
+    return Outcome("pass", f"method {method}", thr)
+
+
+def time_estimate(probe: Mapping[str, Any] | None, shape: Mapping[str, Any] | None, budget_s: float | None) -> dict[str, Any]:
+    """Expected wall time of the run: measured seconds per micro-step x micro-steps per optimizer step x steps.
+
+    Steps: max_steps when the recipe caps the run, else epochs x ceil(rows / (micro batch x accumulation)).
+    """
+    if not probe or probe.get("error") or not shape:
+        why = (probe or {}).get("error") or ("no training steps were measured" if shape else "no batch shape")
+        return {"measured": False, "why": why, "budget_s": budget_s}
+    import math
+
+    micro, accum = shape["micro_batch"], shape["grad_accum"]
+    s_step = probe["s_per_micro_step"] * accum
+    rows = shape.get("train_rows")
+    if shape.get("max_steps", -1) and shape["max_steps"] > 0:
+        steps, how = shape["max_steps"], f"max_steps {shape['max_steps']}"
+    elif rows:
+        per_epoch = math.ceil(rows / (micro * accum))
+        steps = math.ceil(per_epoch * shape["epochs"])
+        how = f"{shape['epochs']:g} epoch(s) x ceil({rows} rows / ({micro} x {accum}))"
+    else:
+        return {"measured": True, "s_per_step": round(s_step, 3), "why": "the training rows are unknown (no prepared dataset)",
+                "budget_s": budget_s, "probe": dict(probe)}
+    wall = steps * s_step + probe.get("first_step_s", 0)
+    return {
+        "measured": True,
+        "device": probe.get("device"),
+        "s_per_micro_step": probe["s_per_micro_step"],
+        "s_per_step": round(s_step, 3),
+        "steps": steps,
+        "steps_from": how,
+        "wall_s": round(wall, 1),
+        "wall": _duration(wall),
+        "budget_s": budget_s,
+        "within_budget": None if not budget_s else wall <= budget_s,
+        "batch_shape": probe.get("batch_shape"),
+        "probe_peak_gb": probe.get("peak_gb"),
+        "how": f"{probe.get('steps')} real training steps of the base model with LoRA at micro batch {micro} x "
+               f"{shape['tokens_per_sequence']} tokens on {probe.get('device')} (the first, {probe.get('first_step_s')} s, "
+               f"pays one-time costs); {accum} micro-steps per optimizer step",
+    }
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _time_fit(check, est: Mapping[str, Any]) -> Outcome:
+    budget = est.get("budget_s")
+    thr = f"<= the brief's time budget ({_duration(budget)})" if budget else "the brief states no time budget"
+    if not est.get("measured") or "wall_s" not in est:
+        return Outcome("pass", f"not measured: {est.get('why')}", thr)
+    seen = f"~{est['wall']} ({est['steps']} steps x {est['s_per_step']} s, {est['steps_from']})"
+    if budget and est["wall_s"] > budget:
+        return Outcome("warn", seen, thr, ("over-budget",))
     return Outcome("pass", seen, thr)
 
 
@@ -475,16 +531,19 @@ def _cpu_fit(check, est: dict | None, method: str, model: dict | None) -> Outcom
 
 
 def brief_facts(brief: Brief | Mapping[str, Any]) -> dict[str, Any]:
-    """The four facts of the brief that preflight uses."""
+    """The facts of the brief that preflight uses."""
     if isinstance(brief, Brief):
-        return {"base_model": brief.base_model, "method": brief.method, "max_seq_length": brief.max_seq_length, "memory_budget_gb": brief.memory_budget_gb}
-    return {k: brief.get(k) for k in ("base_model", "method", "max_seq_length", "memory_budget_gb")}
+        return {"base_model": brief.base_model, "method": brief.method, "max_seq_length": brief.max_seq_length,
+                "memory_budget_gb": brief.memory_budget_gb, "time_budget_s": brief.time_budget_s}
+    return {k: brief.get(k) for k in ("base_model", "method", "max_seq_length", "memory_budget_gb", "time_budget_s")}
 
 
-def evaluate(observed: Mapping[str, Any], brief: Brief | Mapping[str, Any], skills) -> dict[str, Any]:
-    """Platform, checks, verdict and memory estimate of one observation. Pure: the same inputs give the same report.
+def evaluate(observed: Mapping[str, Any], brief: Brief | Mapping[str, Any], skills, shape: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Platform, checks, verdict, memory and time estimates of one observation. Pure: the same inputs give the same report.
 
-    observed["model"] is the brief's base model as preflight resolved it ({"name", "config", ...} or {"error"}).
+    observed["model"] is the brief's base model as preflight resolved it ({"name", "config", ...} or {"error"});
+    observed["step_probe"] the measured training steps (jobs/step_probe.py), when there are any; shape the batch
+    shape and run length the estimates assume (training_shape), else micro batch 1 at max_seq_length.
     """
     table = skills.table(SKILL, "checks")
     mem_table = skills.table(SKILL, "memory")
@@ -500,10 +559,15 @@ def evaluate(observed: Mapping[str, Any], brief: Brief | Mapping[str, Any], skil
         p = recipe_params(skills, facts["method"]).get("max_seq_length")
         facts["max_seq_length"] = p.default if p is not None else None
     if model.get("config") and facts["method"] in mem_table.methods and facts["max_seq_length"]:
-        est = memory.estimate(model, facts["method"], int(facts["max_seq_length"]), platform, mem_table)
+        kw = {}
+        if shape:
+            kw = {"micro_batch_size": shape["micro_batch"], "lora_r": shape["lora_r"], "lora_targets": shape["lora_targets"],
+                  "tokens_per_sequence": shape["tokens_per_sequence"], "gradient_checkpointing": shape["gradient_checkpointing"]}
+        est = memory.estimate(model, facts["method"], int(facts["max_seq_length"]), platform, mem_table, **kw)
     elif not model_error:
         model_error = "no model config in the observation"
     budget = facts.get("memory_budget_gb")
+    time_est = time_estimate(observed.get("step_probe"), shape, facts.get("time_budget_s"))
 
     runners = {
         "G1": lambda c: _driver(observed, c, table, platform),
@@ -520,7 +584,8 @@ def evaluate(observed: Mapping[str, Any], brief: Brief | Mapping[str, Any], skil
         "N5": lambda c: _bf16(observed, c, platform),
         "N6": lambda c: _imports(observed, c, platform, facts["method"]),
         "N7": lambda c: _thermal(observed, c, platform),
-        "C1": lambda c: _cpu_fit(c, est, facts["method"], model),
+        "C1": lambda c: _cpu_fit(c, facts["method"]),
+        "T1": lambda c: _time_fit(c, time_est),
     }
     checks: list[S.CheckResult] = []
     for c in table.checks:
@@ -534,7 +599,7 @@ def evaluate(observed: Mapping[str, Any], brief: Brief | Mapping[str, Any], skil
         ))
     statuses = {c.status for c in checks}
     verdict = "blocked" if "fail" in statuses else "ready-with-warnings" if "warn" in statuses else "ready"
-    return {"platform": platform, "verdict": verdict, "checks": checks, "memory_estimate": est or {}}
+    return {"platform": platform, "verdict": verdict, "checks": checks, "memory_estimate": est or {}, "time_estimate": time_est}
 
 
 # ---------------------------------------------------------------- the tool
@@ -550,27 +615,91 @@ def _model_for(pc, observed: dict, base_model: str) -> dict[str, Any]:
         return {"name": base_model, "error": str(e)}
 
 
+STEP_PROBE_TIMEOUT_S = 900
+
+
+def training_shape(pc, experiment: str, brief: Brief, platform: str) -> dict[str, Any]:
+    """The batch shape and run length generate_config will start from: the recipe's defaults, the prepared data.
+
+    Memory and time are estimated at this shape; generate_config estimates again with what it resolves.
+    """
+    from finetune_mcp.phases.config import effective_tokens, find_dataset, recipe_params
+
+    params = recipe_params(pc.skills, brief.method)
+
+    def default(key: str, fallback: Any) -> Any:
+        p = params.get(key)
+        return p.default if p is not None and p.default is not None else fallback
+
+    mem_table = pc.skills.table(SKILL, "memory")
+    try:
+        _, meta = find_dataset(pc, experiment)
+    except FtError:
+        meta = {}
+    seq = int(brief.max_seq_length or 2048)
+    counts = meta.get("counts") or {}
+    packed = (meta.get("packing") or {}).get("rows") if brief.packing else None
+    return {
+        "micro_batch": int(default("per_device_train_batch_size", 1)),
+        "grad_accum": int(default("gradient_accumulation_steps", 1)),
+        "epochs": float(default("num_train_epochs", 1)),
+        "max_steps": int(default("max_steps", -1)),
+        "lora_r": int(default("lora_r", mem_table.defaults.lora_r)),
+        "lora_targets": [t.replace("_proj", "") for t in default("target_modules", mem_table.defaults.lora_targets)],
+        "max_seq_length": seq,
+        "tokens_per_sequence": effective_tokens(meta, seq, brief.packing),
+        "sequences_per_example": mem_table.methods[brief.method].sequences_per_example if brief.method in mem_table.methods else 1,
+        "reference_forward": brief.method in ("dpo", "kto"),
+        "train_rows": int(packed or counts.get("train") or 0) or None,
+        "gradient_checkpointing": bool(mem_table.defaults.gradient_checkpointing_gpu) if platform != "cpu" else False,
+        "source": "the method recipe's defaults and the prepared dataset (meta.json)" if meta else "the method recipe's defaults (no prepared dataset yet)",
+    }
+
+
+def step_probe(pc, model: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
+    """A few real training steps at the shape, in the worker; {"error"} when they cannot run."""
+    from finetune_mcp.models import resolve_base_model
+    from finetune_mcp.worker import run_job
+
+    try:
+        ref = resolve_base_model(model["name"], pc.ws.base_models_dir, data_dirs=pc.guard.read_roots)
+        if not ref.exists:
+            return {"error": f"{model['name']} is not built yet (prepare_dataset builds it)"}
+        keys = ("micro_batch", "sequences_per_example", "tokens_per_sequence", "lora_r", "lora_targets", "gradient_checkpointing", "reference_forward")
+        return run_job("step_probe", {"model_path": ref.load_path, "steps": 3, **{k: shape[k] for k in keys}}, timeout=STEP_PROBE_TIMEOUT_S)
+    except FtError as e:
+        return {"error": str(e)}
+
+
 def preflight(pc, experiment: str) -> S.PreflightResult:
     d = pc.ws.experiment_dir(experiment)
     brief = load_brief(pc.guard.check_read(d / BRIEF_FILE, "training brief"))
     replay = os.environ.get(REPLAY_ENV)
-    pc.progress(0, 3, "replaying a recorded observation" if replay else "probing the host and the training environment")
+    pc.progress(0, 4, "replaying a recorded observation" if replay else "probing the host and the training environment")
     if replay:
         observed = copy.deepcopy(load_observation(replay))
     else:
-        observed = probe(pc.ws, progress=lambda done, total, msg: pc.progress(1, 3, msg))
+        observed = probe(pc.ws, progress=lambda done, total, msg: pc.progress(1, 4, msg))
         if os.environ.get(RECORD_ENV):
             atomic_write_json(os.environ[RECORD_ENV], observed)
-    pc.progress(2, 3, "evaluating checks")
     observed["model"] = _model_for(pc, observed, brief.base_model)
-    result = evaluate(observed, brief, pc.skills)
+    shape = training_shape(pc, experiment, brief, detect_platform(observed, pc.skills.table(SKILL, "checks")))
+    if not replay and observed["model"].get("config") and os.environ.get("FINETUNE_MCP_STEP_PROBE", "1").strip() not in ("0", "false", "no", "off"):
+        # Seconds per step measured, not guessed: a few real steps at the expected batch shape.
+        pc.progress(2, 4, f"timing {shape['micro_batch']} x {shape['tokens_per_sequence']}-token training steps")
+        observed["step_probe"] = step_probe(pc, observed["model"], shape)
+        if os.environ.get(RECORD_ENV):
+            atomic_write_json(os.environ[RECORD_ENV], observed)
+    pc.progress(3, 4, "evaluating checks")
+    result = evaluate(observed, brief, pc.skills, shape)
 
     host = (observed.get("host") or {}).get("hostname")
     counts = {s: sum(1 for c in result["checks"] if c.status == s) for s in ("pass", "warn", "fail")}
     flagged = [f"{c.id} {c.status}" for c in result["checks"] if c.status != "pass"]
     summary = (f"preflight {result['verdict']} on {result['platform']} ({host}"
                + (", replayed" if replay else "") + f"): {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail"
-               + (f" — {', '.join(flagged)}" if flagged else ""))
+               + (f" — {', '.join(flagged)}" if flagged else "")
+               + (f"; expected wall time ~{result['time_estimate']['wall']}" if result["time_estimate"].get("wall") else ""))
     report = {
         "platform": result["platform"],
         "verdict": result["verdict"],
@@ -581,11 +710,13 @@ def preflight(pc, experiment: str) -> S.PreflightResult:
         "experiment": experiment,
         "brief": brief_facts(brief),
         "memory_estimate": result["memory_estimate"],
+        "time_estimate": result["time_estimate"],
+        "training_shape": shape,
         "replayed_from": str(Path(replay).expanduser().absolute()) if replay else None,
         "summary": summary,
     }
     path = pc.guard.write_text(d / ENV_REPORT, json.dumps(report, indent=2, default=str) + "\n")
-    pc.progress(3, 3, result["verdict"])
+    pc.progress(4, 4, result["verdict"])
     citations = list(dict.fromkeys([c.cite for c in result["checks"]] + ([pc.skills.cite(SKILL, "memory-estimate")] if result["memory_estimate"] else [])))
     return S.PreflightResult(
         summary=summary,
@@ -595,5 +726,6 @@ def preflight(pc, experiment: str) -> S.PreflightResult:
         verdict=result["verdict"],
         checks=result["checks"],
         memory_estimate=result["memory_estimate"],
+        time_estimate=result["time_estimate"],
         env_report=str(path),
     )

@@ -1,59 +1,48 @@
-"""Phase 4 at run time: launch_run, poll_progress, stop_run, prune_checkpoints.
+"""Phase 4 at run time, the tools: launch_run, poll_progress, stop_run, prune_checkpoints.
 
-A run's state lives only in its directory (run.json, exit.json, logs/) plus a liveness probe of
-the recorded supervisor (pid and start time, so a recycled pid is never taken for the run). A
-server started after a crash therefore sees the same records and the same status as the one that
-launched the run.
-
-poll_progress cursor: a byte offset into the run's record source, always at a line boundary.
-The source is logs/progress.jsonl (written by our train.py); a run whose train.py never writes
-that file (a hand-written script without our callback) is read from logs/stdout.log instead,
-where the trainer prints its log dicts. The source of a run never changes: while a train.py that
-writes progress.jsonl has not created it yet, polls return nothing and keep the cursor at 0. A
-partial last line (the trainer is mid-write) is not consumed; a poll reads only the bytes after
-the cursor, plus a bounded look-back of at most the spike window when this server has not seen
-the run before. The trainer's printed dicts carry no step: from stdout.log, the n-th record is
-step n x logging_steps (from config.yaml), and mem_gb / temp_c are null.
+The run's state lives in its directory (run_state.py) and its records are read by cursor
+(progress.py); these functions check their arguments, call those two, write the roadbook and shape
+the result. Public names other phases use (read_json_file, run_config, config_value, run_state,
+normalise_record, RECORD_KEYS) are re-exported here from the module that owns them.
 """
 
 from __future__ import annotations
 
-import ast
-import collections
-import fcntl
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from finetune_mcp import roadbook
 from finetune_mcp import schemas as S
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.digest import verify_folder
-from finetune_mcp.errors import BadInput, FtError, NotFound, Refused
+from finetune_mcp.errors import BadInput, NotFound, Refused
 from finetune_mcp.launchers import get_launcher
 from finetune_mcp.launchers.base import STOP_MARKER, RunSpec
+from finetune_mcp.phases import progress
+from finetune_mcp.phases.progress import RECORD_KEYS, normalise_record  # noqa: F401  (re-exported)
+from finetune_mcp.phases.run_state import (  # noqa: F401  (re-exported)
+    TERMINAL,
+    RunState,
+    checkpoints,
+    config_value,
+    latest_checkpoint,
+    live_runs,
+    logging_every,
+    read_json_file,
+    run_config,
+    run_state,
+)
 from finetune_mcp.workspace import atomic_write_json, file_state, git, new_run_id, utc_now, validate_tag
-
-RECORD_KEYS = ("step", "loss", "lr", "mem_gb", "temp_c")
-# A loss spike is what triage calls one (dgx-spark-ops failure-signals table, `records`: above
-# spike_factor x the median of the previous spike_window finite losses, once spike_min_history of them
-# exist), so a poll and a later triage of the same run agree. A live run with no new record for
-# FINETUNE_MCP_STALL_MINUTES (default 10) has stalled.
-STALL_MINUTES_DEFAULT = 10.0
-# A run directory without run.json younger than this is still being launched.
-LAUNCH_GRACE_S = 120.0
-TERMINAL = ("succeeded", "failed", "stopped")
-_CHUNK = 1 << 16
 
 
 # ================================================================ launch_run
@@ -61,7 +50,7 @@ _CHUNK = 1 << 16
 
 def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: bool = False, launcher: str = "local",
                nproc: int = 1, nodes: int = 1, gpus_per_node: int | None = None, partition: str | None = None,
-               time_limit: str | None = None, account: str | None = None) -> S.LaunchResult:
+               time_limit: str | None = None, account: str | None = None, resume_from: str | None = None) -> S.LaunchResult:
     validate_tag(tag)
     exp_dir = pc.guard.check_read(pc.ws.experiment_dir(experiment))
     slurm_only = {"nodes": nodes if nodes != 1 else None, "gpus_per_node": gpus_per_node, "partition": partition,
@@ -97,10 +86,16 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
             raise Refused(f"{rel} has changed since its last commit: the run would not match any commit", where=str(p),
                           fix="commit the change (or run generate_config again, which commits), or restore the committed version; then launch")
     commit = git(repo, "rev-parse", "HEAD").strip()
+    planned = _resolve_config(exp_dir, tag, {})
+    try:  # a logging_steps the reader could not number records by is refused before anything exists
+        logging_every(planned)
+    except BadInput as e:
+        raise BadInput(e.message, where=f"configs/run-{tag}.yaml (merged over configs/base.yaml): logging_steps", fix=e.fix) from None
+    parent = resume_parent(pc, experiment, resume_from, tag, planned) if resume_from else None
 
     device = "cpu" if report.get("platform") == "cpu" else "cuda"
     gpus = _gpu_ids(device)
-    run_id = new_run_id(tag)
+    run_id = new_run_id(_resumed_tag(tag, parent.generation) if parent else tag)
     run_ref = f"{experiment}/{run_id}"
     run_dir = pc.guard.check_write(pc.ws.output_root / experiment / run_id)
     from finetune_mcp.worker import child_env, train_python
@@ -134,6 +129,9 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
         created = utc_now()
         meta = {"run_id": run_ref, "run_dir": str(run_dir), "experiment_commit": commit, "launcher": launcher,
                 "created_at": created}
+        if parent:
+            meta.update(resume_from_checkpoint=str(parent.checkpoint), resume_generation=parent.generation,
+                        resumed_from={"run_id": parent.run_ref, "checkpoint": parent.checkpoint.name, "step": parent.step})
         config = _resolve_config(exp_dir, tag, meta)
         # The reproducibility record exists before anything runs (layout seed, rule 3).
         pc.guard.write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
@@ -151,6 +149,8 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
         rec = lau.start(spec)
         run_json = {"run_id": run_ref, **rec, "launcher": launcher, "created_at": created, "device": device,
                     "gpus": list(gpus), "nproc": nproc, "train_python": spec.python, "experiment_commit": commit}
+        if parent:
+            run_json["resumed_from"] = meta["resumed_from"]
         pc.guard.write_text(run_dir / "run.json", json.dumps(run_json, indent=2) + "\n")
     except BaseException:
         # Nothing partial: a launch that did not start leaves no run directory behind.
@@ -162,12 +162,143 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
               f"launch_run: {launcher} (nproc {nproc}, {device}{' ' + ','.join(gpus) if gpus else ''}), {where}, "
               f"experiment commit {commit[:12]}" + (f"; accepted warnings: {'; '.join(warnings)}" if warnings else "")
               + (f"; not found to copy: {', '.join(missing)}" if missing else ""))
+    if parent:
+        _roadbook(pc, run_dir, "resumed",
+                  f"launch_run: resumes {parent.run_ref} ({parent.status}) from {parent.checkpoint.name}: model adapter, optimizer, "
+                  f"scheduler and RNG state are restored from it, so records continue at step {parent.step + 1}; "
+                  f"{parent.run_ref} keeps all its files")
+        _roadbook(pc, parent.run_dir, "resumed-by", f"launch_run: {run_ref} continues this run from {parent.checkpoint.name}")
     return S.LaunchResult(
-        summary=f"launched {run_ref} ({launcher}, {where}); follow it with poll_progress(run_id={run_ref!r})",
-        citations=_cites(pc, ("spark-preflight", "verdict"), ("dgx-spark-ops", "run-layout")),
+        summary=f"launched {run_ref} ({launcher}, {where})"
+                + (f", resuming {parent.run_ref} at step {parent.step + 1} from {parent.checkpoint.name}" if parent else "")
+                + f"; follow it with poll_progress(run_id={run_ref!r})",
+        citations=_cites(pc, ("spark-preflight", "verdict"), ("dgx-spark-ops", "run-layout"),
+                         *((("dgx-spark-ops", "resume"),) if parent else ())),
         run_id=run_ref, run_dir=str(run_dir), launcher=launcher, pid=rec.get("pid"), job_id=rec.get("job_id"),
         command=[str(c) for c in rec.get("command", [])], commit=commit, warnings_accepted=warnings,
+        resumed_from=meta.get("resumed_from"),
     )
+
+
+# ---------------------------------------------------------------- resume
+
+
+@dataclass
+class ResumeParent:
+    run_ref: str
+    run_dir: Path
+    status: str
+    checkpoint: Path
+    step: int
+    generation: int  # 1 for the first resume of a fresh run
+
+
+# What must be the same in the run that resumes as in the run whose checkpoint it loads, and the trap a
+# change walks into (FACTS "Resume": unsloth#233/#3108, peft#859, transformers#33336).
+_GROUPS = "optimizer parameter groups would not match the checkpoint's optimizer state"
+_JUMP = ("the restored optimizer, scheduler and data position assume the batches and schedule they were saved with: "
+         "a loss jump after resume")
+RESUME_FIXED_PREFIXES = {"calls.peft": _GROUPS, "calls.load": _GROUPS, "calls.quantization": _GROUPS, "model": _GROUPS,
+                         "method": _GROUPS, "backend": _GROUPS, "data.dir": _JUMP, "data.train": _JUMP, "data.train_file": _JUMP}
+RESUME_FIXED_KEYS = {
+    "lora_r": _GROUPS, "r": _GROUPS, "target_modules": _GROUPS, "modules_to_save": _GROUPS, "optim": _GROUPS,
+    "per_device_train_batch_size": _JUMP, "gradient_accumulation_steps": _JUMP, "learning_rate": _JUMP, "lr_scheduler_type": _JUMP,
+    "warmup_steps": _JUMP, "warmup_ratio": _JUMP, "weight_decay": _JUMP, "max_steps": _JUMP, "num_train_epochs": _JUMP,
+    "seed": _JUMP, "data_seed": _JUMP, "max_length": _JUMP, "max_seq_length": _JUMP, "packing": _JUMP, "max_grad_norm": _JUMP,
+    "adam_beta1": _JUMP, "adam_beta2": _JUMP, "adam_epsilon": _JUMP,
+}
+_NOT_COMPARED = ("run", "tag", "sources", "call_sources", "warnings", "citations", "memory_estimate", "overrides", "backend_reason")
+# A checkpoint without these would restart the optimizer or the schedule, or draw other batches.
+CHECKPOINT_STATE = {"trainer_state.json": "the step and log history", "optimizer.pt": "the optimizer state",
+                    "scheduler.pt": "the learning-rate schedule", "rng_state.pth": "the random state that draws the batches"}
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            if prefix or k not in _NOT_COMPARED:
+                out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def resume_conflicts(before: dict, after: dict) -> list[str]:
+    """The settings that differ between a checkpoint's run config and the config that would resume it, each with its trap."""
+    a, b = _flat(before), _flat(after)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        why = RESUME_FIXED_KEYS.get(key.rsplit(".", 1)[-1]) or next((w for p, w in RESUME_FIXED_PREFIXES.items()
+                                                                     if key == p or key.startswith(p + ".")), None)
+        if why:
+            out.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r} ({why})")
+    return out
+
+
+def _resumed_tag(tag: str, generation: int) -> str:
+    suffix = f"-r{generation}"
+    return tag[: 48 - len(suffix)] + suffix
+
+
+def resume_parent(pc: PhaseContext, experiment: str, resume_from: str, tag: str, planned: dict) -> ResumeParent:
+    """The run a launch resumes and its newest complete checkpoint; Refused, by name, for every known trap."""
+    root = pc.ws.output_root / experiment
+    if resume_from == "latest":
+        candidates = sorted((p for p in root.iterdir() if p.is_dir()), reverse=True) if root.is_dir() else []
+        picked = next((p for p in candidates if _resumable_checkpoint(p) is not None
+                       and run_state(p, read_json_file(p / "run.json"), True).status in ("failed", "stopped")), None)
+        if picked is None:
+            raise NotFound(f"{experiment} has no failed or stopped run with a checkpoint to resume", where=str(root),
+                           fix="launch without resume_from; set save_steps so that a run leaves checkpoints to resume from")
+        run_dir = picked
+    else:
+        ref = resume_from if "/" in resume_from else f"{experiment}/{resume_from}"
+        if ref.split("/", 1)[0] != experiment:
+            raise Refused(f"{resume_from!r} is a run of another experiment: a run resumes only within its own",
+                          where="resume_from", fix=f"name a run of {experiment}, or 'latest'")
+        run_dir = pc.guard.check_read(pc.ws.run_dir(ref))
+    run_ref = f"{experiment}/{run_dir.name}"
+    state = run_state(run_dir, read_json_file(run_dir / "run.json"), True)
+    if state.status in ("starting", "running"):
+        raise Refused(f"{run_ref} is still {state.status}: two trainers would share one checkpoint", where="resume_from",
+                      fix=f"stop_run(run_id={run_ref!r}) first (it saves a checkpoint), then resume it")
+    if state.status == "succeeded":
+        raise Refused(f"{run_ref} succeeded: it has nothing left to train", where="resume_from",
+                      fix="launch a new run (another tag) to train further")
+    found = _resumable_checkpoint(run_dir)
+    if found is None:
+        cps = [p.name for _, p in checkpoints(run_dir)]
+        raise Refused(f"{run_ref} has no complete checkpoint to resume from" + (f" ({', '.join(cps)} lack trainer state)" if cps else ""),
+                      where=str(run_dir / "checkpoints"),
+                      fix="launch it again from the start; lower save_steps so the next run leaves checkpoints (stop_run saves one)")
+    step, cp, missing = found
+    if missing:
+        raise Refused(f"{cp.name} of {run_ref} has no " + ", ".join(f"{f} ({CHECKPOINT_STATE[f]})" for f in missing)
+                      + ": resuming would restart it, a loss jump after resume", where=str(cp),
+                      fix="resume from a checkpoint the trainer saved whole, or start a new run")
+    conflicts = resume_conflicts(run_config(run_dir), planned)
+    if conflicts:
+        raise Refused(f"configs/run-{tag}.yaml differs from the config {run_ref} was trained with, in what a resume keeps:\n  "
+                      + "\n  ".join(conflicts), where=f"configs/run-{tag}.yaml",
+                      fix=f"resume with the tag {run_ref} ran ({run_config(run_dir).get('tag') or 'its own'}) and its committed config, "
+                          "or start a new run with the new values")
+    generation = int((run_config(run_dir).get("run") or {}).get("resume_generation") or 0) + 1
+    return ResumeParent(run_ref, run_dir, state.status, cp, step, generation)
+
+
+def _resumable_checkpoint(run_dir: Path) -> tuple[int, Path, list[str]] | None:
+    """The newest checkpoint the trainer finished writing (trainer_state.json is its last file), with what it lacks."""
+    for step, cp in reversed(checkpoints(run_dir)):
+        if (cp / "trainer_state.json").is_file():
+            missing = [f for f in ("trainer_state.json", "scheduler.pt") if not (cp / f).is_file()]
+            if not any((cp / n).is_file() for n in ("optimizer.pt", "optimizer.bin")):  # .bin: saved through Accelerate
+                missing.append("optimizer.pt")
+            if not any(cp.glob("rng_state*.pth")):  # rng_state_<rank>.pth under DDP
+                missing.append("rng_state.pth")
+            return step, cp, missing
+    return None
 
 
 def _env_report(pc: PhaseContext, exp_dir: Path, experiment: str) -> tuple[dict, Path]:
@@ -235,27 +366,8 @@ def max_cpu_runs() -> int:
                        fix="set it to the number of CPU runs allowed at once, e.g. 1") from None
 
 
-def live_runs(pc: PhaseContext) -> list[dict]:
-    """run.json of every run under OUTPUT_ROOT whose supervisor is still alive."""
-    out = []
-    root = pc.ws.output_root
-    if not root.is_dir():
-        return out
-    for rj_path in root.glob("*/*/run.json"):
-        run_dir = rj_path.parent
-        if (run_dir / "exit.json").exists():
-            continue
-        try:
-            rj = json.loads(rj_path.read_text())
-            if get_launcher(rj.get("launcher") or "local").alive(run_dir, rj):
-                out.append(rj)
-        except (OSError, ValueError, FtError):
-            continue
-    return out
-
-
 def _refuse_busy(pc: PhaseContext, spec: RunSpec) -> None:
-    live = [r for r in live_runs(pc) if r.get("launcher") != "slurm"]  # those run on the cluster's nodes
+    live = [r for r in live_runs(pc.ws.output_root) if r.get("launcher") != "slurm"]  # those run on the cluster's nodes
     if spec.device == "cpu":
         cpu = [r for r in live if r.get("device") == "cpu"]
         limit = max_cpu_runs()
@@ -284,539 +396,106 @@ def _resolve_config(exp_dir: Path, tag: str, meta: dict) -> dict:
     return resolve_run_config(exp_dir, tag, meta)
 
 
-# ================================================================ status
-
-
-@dataclass
-class RunState:
-    status: str
-    exit_code: int | None = None
-    signal: str | None = None
-    detail: str | None = None
-    exit: dict | None = None
-
-
-def _read_json_file(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (ValueError, OSError):
-        return None
-
-
-def _state_from_exit(ex: dict) -> RunState:
-    rc, sig = ex.get("returncode"), ex.get("signal")
-    how = f"killed by {sig}" if sig else f"exit status {rc}"
-    if ex.get("stopped_by"):
-        return RunState("stopped", rc, sig, f"stopped by {ex['stopped_by']} ({how})", ex)
-    if rc == 0:
-        return RunState("succeeded", 0, None, "finished with exit status 0", ex)
-    if sig == "SIGKILL":
-        detail = ("killed by SIGKILL without a stop request — the signature of the kernel's out-of-memory killer; "
-                  "triage_failure(run_id) reads the evidence")
-    elif sig:
-        detail = f"killed by {sig} without a stop request; triage_failure(run_id) reads the log"
-    else:
-        detail = f"exited with status {rc}; triage_failure(run_id) reads the log"
-    return RunState("failed", rc, sig, detail, ex)
-
-
-def run_state(run_dir: Path, run_json: dict | None, has_records: bool) -> RunState:
-    """The run's status from its files and a liveness probe only."""
-    if run_json is not None and run_json.get("launcher") == "slurm" and run_json.get("job_id"):
-        return _scheduler_state(run_dir, run_json, has_records)
-    ex = _read_json_file(run_dir / "exit.json")
-    if ex is not None:
-        return _state_from_exit(ex)
-    if run_json is None:
-        try:
-            age = time.time() - run_dir.stat().st_mtime
-        except OSError:
-            age = 0.0
-        if age < LAUNCH_GRACE_S:
-            return RunState("starting", detail="launch in progress")
-        return RunState("failed", detail="the launch never completed: run.json was not written")
-    try:
-        alive = get_launcher(run_json.get("launcher") or "local").alive(run_dir, run_json)
-    except FtError:
-        alive = False
-    if alive:
-        return RunState("running" if has_records else "starting")
-    ex = _read_json_file(run_dir / "exit.json")  # it may have ended between the two looks
-    if ex is not None:
-        return _state_from_exit(ex)
-    return RunState("failed", detail=(f"the run's supervisor (pid {run_json.get('pid')}) is gone and recorded no exit: "
-                                      "the machine rebooted, or the supervisor itself was killed"))
-
-
-def _scheduler_state(run_dir: Path, run_json: dict, has_records: bool) -> RunState:
-    """A Slurm job: the scheduler's word while it knows the job (PENDING and why, TIMEOUT, NODE_FAIL), then
-    what the job wrote into the run directory (launchers/slurm.py)."""
-    st = get_launcher("slurm").state(run_dir, run_json)
-    status = "starting" if st["status"] == "running" and not has_records else st["status"]
-    return RunState(status, st.get("exit_code"), st.get("signal"), st.get("detail"), _read_json_file(run_dir / "exit.json"))
-
-
-# ================================================================ records
-
-
-def _num(v: Any) -> float | None:
-    if v is None:
-        return None
-    if isinstance(v, bool):
-        raise ValueError("boolean")
-    return float(v)
-
-
-def normalise_record(d: Any) -> dict | None:
-    """Exactly {"step","loss","lr","mem_gb","temp_c"} in that order, or None for a line that is not a record."""
-    if not isinstance(d, dict) or "step" not in d or "loss" not in d or "lr" not in d:
-        return None
-    try:
-        step = int(d["step"])
-        loss = _num(d["loss"])
-        lr = _num(d["lr"])
-        mem = _num(d.get("mem_gb"))
-        temp = _num(d.get("temp_c"))
-    except (TypeError, ValueError):
-        return None
-    if loss is None or lr is None:
-        return None
-    return {"step": step, "loss": loss, "lr": lr, "mem_gb": mem, "temp_c": temp}
-
-
-def _parse_progress_line(line: bytes) -> dict | None:
-    line = line.strip()
-    if not line:
-        return None
-    try:
-        return normalise_record(json.loads(line))
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-_LOG_DICT = re.compile(r"\{'loss': [^{}]*\}")
-
-
-def _parse_stdout_line(line: bytes) -> dict | None:
-    """A trainer log dict as printed by transformers (PrinterCallback / ProgressCallback), without its step."""
-    if b"'loss'" not in line:
-        return None
-    text = line.decode("utf-8", "replace")
-    for m in reversed(list(_LOG_DICT.finditer(text))):
-        try:
-            d = ast.literal_eval(m.group(0))
-        except (ValueError, SyntaxError):
-            continue
-        if isinstance(d, dict) and "learning_rate" in d:
-            try:
-                return {"loss": float(d["loss"]), "lr": float(d["learning_rate"])}
-            except (TypeError, ValueError):
-                return None
-    return None
-
-
-@dataclass
-class _Source:
-    kind: str  # "progress" | "stdout"
-    path: Path
-
-
-_WRITES_PROGRESS: dict[str, bool] = {}
-
-
-def _record_source(run_dir: Path) -> _Source | None:
-    prog = run_dir / "logs" / "progress.jsonl"
-    if prog.exists():
-        return _Source("progress", prog)
-    key = str(run_dir)
-    if key not in _WRITES_PROGRESS:
-        try:
-            _WRITES_PROGRESS[key] = b"progress.jsonl" in (run_dir / "train.py").read_bytes()
-        except OSError:
-            _WRITES_PROGRESS[key] = True
-    if _WRITES_PROGRESS[key]:
-        return None
-    out = run_dir / "logs" / "stdout.log"
-    return _Source("stdout", out) if out.exists() else None
-
-
-@dataclass
-class _Cache:
-    """What one server remembers of a run's source between polls (a pure speed-up: never required)."""
-
-    ino: int
-    offset: int
-    window: collections.deque = field(default_factory=collections.deque)
-    ordinal: int = 0  # stdout source: records before offset
-    last: dict | None = None  # the newest record before offset
-
-
-_CACHE: dict[str, _Cache] = {}
-_CACHE_LOCK = threading.Lock()
-
-
-def _lines_forward(f, start: int, limit_records: int, parse) -> tuple[list[tuple[int, dict]], int, bool, int]:
-    """Parse complete lines from `start` until limit_records records; returns (records with end offsets, next offset, more, lines seen)."""
-    f.seek(start)
-    out: list[tuple[int, dict]] = []
-    pos = start
-    buf = b""
-    lines = 0
-    eof = False
-    while len(out) < limit_records and not eof:
-        chunk = f.read(_CHUNK)
-        if not chunk:
-            break
-        buf += chunk
-        i = 0
-        while len(out) < limit_records:
-            nl = buf.find(b"\n", i)
-            if nl < 0:
-                break
-            rec = parse(buf[i:nl])
-            lines += 1
-            pos += nl + 1 - i
-            i = nl + 1
-            if rec is not None:
-                out.append((pos, rec))
-        buf = buf[i:]
-    more = False
-    if len(out) >= limit_records:
-        # Are there further records past `pos`? Look for one more complete line that parses.
-        f.seek(pos)
-        rest = b""
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            rest += chunk
-            j = 0
-            while (nl := rest.find(b"\n", j)) >= 0:
-                if parse(rest[j:nl]) is not None:
-                    more = True
-                    break
-                j = nl + 1
-            if more:
-                break
-            rest = rest[j:]
-    return out, pos, more, lines
-
-
-def _records_backward(f, end: int, want: int, parse, max_bytes: int = 8 << 20) -> list[dict]:
-    """Up to `want` records from complete lines ending at or before `end`, oldest first (bounded read)."""
-    found: list[dict] = []
-    pos = end
-    tail = b""
-    scanned = 0
-    first = True
-    block_size = 4096  # the last record or two usually sit in the last few kilobytes
-    while pos > 0 and len(found) < want and scanned < max_bytes:
-        step = min(block_size, pos)
-        block_size = _CHUNK
-        pos -= step
-        f.seek(pos)
-        block = f.read(step) + tail
-        scanned += step
-        lines = block.split(b"\n")
-        if first:
-            lines.pop()  # what follows the last newline is a line still being written, never a record yet
-            first = False
-        # lines[0] may be cut at the block start unless we reached the file start.
-        tail = lines[0] if pos > 0 and lines else b""
-        complete = lines[1:] if pos > 0 else lines
-        for ln in reversed(complete):
-            rec = parse(ln)
-            if rec is not None:
-                found.append(rec)
-                if len(found) >= want:
-                    break
-    found.reverse()
-    return found
-
-
-def _check_cursor(f, cursor: int, size: int, src: _Source) -> None:
-    if cursor > size:
-        raise BadInput(f"cursor {cursor} is past the end of {src.path.name} ({size} bytes)", where="cursor",
-                       fix="pass the next_cursor of your previous poll, or 0 to read from the start")
-    if cursor > 0:
-        f.seek(cursor - 1)
-        if f.read(1) != b"\n":
-            raise BadInput(f"cursor {cursor} is not at a line boundary of {src.path.name}", where="cursor",
-                           fix="pass the next_cursor of your previous poll unchanged, or 0 to read from the start")
-
-
-@dataclass(frozen=True)
-class SpikeRule:
-    factor: float
-    window: int
-    min_history: int
-
-
-def spike_rule(pc: PhaseContext) -> SpikeRule:
-    r = pc.skills.table("dgx-spark-ops", "failure-signals").records
-    return SpikeRule(float(r.spike_factor), int(r.spike_window), int(r.spike_min_history))
-
-
-def _anomalies(records: list[dict], window: collections.deque, rule: SpikeRule) -> list[S.Anomaly]:
-    out: list[S.Anomaly] = []
-    for r in records:
-        loss = r["loss"]
-        if math.isnan(loss):
-            out.append(S.Anomaly(kind="nan-loss", step=r["step"], message=f"loss is NaN at step {r['step']}"))
-            continue
-        if math.isinf(loss):
-            out.append(S.Anomaly(kind="inf-loss", step=r["step"], message=f"loss is infinite at step {r['step']}"))
-            continue
-        if len(window) >= rule.min_history:
-            med = statistics.median(window)
-            if med > 0 and loss > rule.factor * med:
-                out.append(S.Anomaly(kind="loss-spike", step=r["step"],
-                                     message=f"loss {loss:.4g} at step {r['step']} is {loss / med:.1f}x the running median {med:.4g} "
-                                             f"of the previous {len(window)} records"))
-        window.append(loss)
-    return out
-
-
-def stall_minutes() -> float:
-    try:
-        return float(os.environ.get("FINETUNE_MCP_STALL_MINUTES") or STALL_MINUTES_DEFAULT)
-    except ValueError:
-        return STALL_MINUTES_DEFAULT
-
-
-def config_value(run_dir: Path, key: str) -> Any:
-    """A trainer setting of this run: the trainer call's own keyword (calls.trainer) first, else the key anywhere."""
-    cfg = _run_config(run_dir)
-    trainer = (cfg.get("calls") or {}).get("trainer") if isinstance(cfg.get("calls"), dict) else None
-    if isinstance(trainer, dict) and key in trainer:
-        return trainer[key]
-    return _find_value(cfg, key)
-
-
-def _find_value(obj: Any, key: str) -> Any:
-    if isinstance(obj, dict):
-        if key in obj and not isinstance(obj[key], (dict, list)):
-            return obj[key]
-        for v in obj.values():
-            r = _find_value(v, key)
-            if r is not None:
-                return r
-    return None
-
-
-_RUN_CONFIG: dict[str, dict] = {}
-
-
-def run_config(run_dir: Path) -> dict:
-    """A run's resolved config.yaml as a dict ({} when missing or unreadable); triage reads it too."""
-    return _run_config(run_dir)
-
-
-def _run_config(run_dir: Path) -> dict:
-    key = str(run_dir)
-    if key not in _RUN_CONFIG:
-        try:
-            _RUN_CONFIG[key] = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            return {}
-    return _RUN_CONFIG[key]
-
-
 # ================================================================ poll_progress
 
 
 def poll_progress(pc: PhaseContext, run_id: str, cursor: int = 0, limit: int = 200, plot: bool = False) -> S.PollResult:
     run_dir = pc.guard.check_read(pc.ws.run_dir(run_id))
-    if cursor < 0:
-        raise BadInput("cursor must be 0 or more", where="cursor", fix="pass 0, or the next_cursor of your previous poll")
-    if limit < 1:
-        raise BadInput("limit must be at least 1", where="limit")
-    run_json = _read_json_file(run_dir / "run.json")
-    src = _record_source(run_dir)
-    records: list[dict] = []
-    last: dict | None = None
-    anomalies: list[S.Anomaly] = []
-    next_cursor, more, src_mtime = cursor, False, None
-
-    if src is None and cursor:
-        raise BadInput(f"cursor {cursor} given but {run_id} has no records yet", where="cursor", fix="poll with cursor 0")
-    if src is not None:
-        parse = _parse_progress_line if src.kind == "progress" else _parse_stdout_line
-        with open(src.path, "rb") as f:
-            st = os.fstat(f.fileno())
-            src_mtime = st.st_mtime
-            _check_cursor(f, cursor, st.st_size, src)
-            key = str(src.path)
-            with _CACHE_LOCK:
-                # Taken out while in use, so two concurrent polls never share one window.
-                c = _CACHE.pop(key, None)
-            rule = spike_rule(pc)
-            cold = c is None or c.ino != st.st_ino or c.offset != cursor or c.window.maxlen != rule.window
-            if cold:
-                c = _Cache(st.st_ino, cursor, collections.deque(maxlen=rule.window))
-            if cold and cursor > 0:
-                # A server that has not followed this run looks back a bounded amount for the spike window.
-                prev = _records_backward(f, cursor, rule.window, parse)
-                c.window.extend(r["loss"] for r in prev if math.isfinite(r["loss"]))
-                if src.kind == "stdout":
-                    c.ordinal = _count_records(f, cursor, parse)
-                    every = int(config_value(run_dir, "logging_steps") or 1)
-                    c.last = {"step": c.ordinal * every, **prev[-1], "mem_gb": None, "temp_c": None} if prev else None
-                else:
-                    c.last = prev[-1] if prev else None
-            got, next_cursor, more, _ = _lines_forward(f, cursor, limit, parse)
-            raw = [r for _, r in got]
-            if src.kind == "stdout":
-                every = int(config_value(run_dir, "logging_steps") or 1)
-                raw = [{"step": (c.ordinal + i + 1) * every, "loss": r["loss"], "lr": r["lr"], "mem_gb": None, "temp_c": None}
-                       for i, r in enumerate(raw)]
-                c.ordinal += len(raw)
-            records = raw
-            anomalies = _anomalies(records, c.window, rule)
-            c.offset = next_cursor
-            if records:
-                c.last = records[-1]
-            with _CACHE_LOCK:
-                _CACHE[key] = c
-            if not more:
-                last = c.last  # nothing newer is complete past next_cursor
-            else:
-                tail = _records_backward(f, st.st_size, 1, parse)
-                if tail:
-                    last = tail[-1]
-                    if src.kind == "stdout":
-                        # The newest printed dict carries no step; it is the ordinal-th of its kind.
-                        total = c.ordinal if not more else _count_records(f, st.st_size, parse)
-                        every = int(config_value(run_dir, "logging_steps") or 1)
-                        last = {"step": total * every, "loss": last["loss"], "lr": last["lr"], "mem_gb": None, "temp_c": None}
+    run_json = read_json_file(run_dir / "run.json")
+    got = progress.read(run_dir, cursor, limit, progress.spike_rule(pc.skills))
+    last, anomalies = got.last, got.anomalies
 
     state = run_state(run_dir, run_json, has_records=last is not None)
     if state.status in ("starting", "running") and run_json is not None:
-        minutes = stall_minutes()
-        since = src_mtime if src_mtime is not None else (run_dir / "run.json").stat().st_mtime
+        minutes = progress.stall_minutes()
+        since = got.mtime if got.mtime is not None else (run_dir / "run.json").stat().st_mtime
         idle = (time.time() - since) / 60.0
         if idle >= minutes:
             what = f"no new step for {idle:.0f} minutes" if last else f"no first step {idle:.0f} minutes after launch"
             anomalies.append(S.Anomaly(kind="stalled", step=last["step"] if last else None,
                                        message=f"{what} (threshold {minutes:g} min, FINETUNE_MCP_STALL_MINUTES)"))
 
-    _lifecycle_notes(pc, run_dir, run_id, state, last, src)
+    anomalies += _resume_jumps(pc, run_dir, got.records)
+    _lifecycle_notes(pc, run_dir, state, last)
+    pace = progress.throughput(run_dir, last["step"] if last else None, running=state.status == "running")
 
     if last is not None:
         max_steps = config_value(run_dir, "max_steps")
         total = float(max_steps) if isinstance(max_steps, (int, float)) and max_steps > 0 else None
-        loss_txt = f"{last['loss']:.4g}" if math.isfinite(last["loss"]) else str(last["loss"])
-        pc.progress(float(last["step"]), total, f"step {last['step']} loss {loss_txt}")
+        pc.progress(float(last["step"]), total, f"step {last['step']} loss {_loss_text(last['loss'])}"
+                    + (f", {_duration(pace.eta_s)} left" if pace.eta_s is not None else ""))
 
-    n = len(records)
+    n = len(got.records)
     bits = [f"{run_id}: {state.status}"]
     if state.exit_code is not None or state.signal:
         bits.append(f"({state.signal or 'exit ' + str(state.exit_code)})")
     if last is not None:
-        lt = f"{last['loss']:.4g}" if math.isfinite(last["loss"]) else str(last["loss"])
-        bits.append(f"at step {last['step']}, loss {lt}")
-    bits.append(f"; {n} new record{'s' if n != 1 else ''}" + (" (more waiting)" if more else ""))
+        bits.append(f"at step {last['step']}, loss {_loss_text(last['loss'])}")
+    if pace.tokens_per_s is not None:
+        bits.append(f"; {pace.tokens_per_s:,.0f} tokens/s")
+    if pace.eta_s is not None:
+        bits.append(f"; about {_duration(pace.eta_s)} left")
+    bits.append(f"; {n} new record{'s' if n != 1 else ''}" + (" (more waiting)" if got.more else ""))
     if anomalies:
         bits.append(f"; {len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'}: " + ", ".join(sorted({a.kind for a in anomalies})))
     result = S.PollResult(
         summary=" ".join(bits).replace(" ;", ";"),
         citations=_cites(pc, ("dgx-spark-ops", "failure-signals")),
         run_id=run_id, status=state.status, exit_code=state.exit_code, signal=state.signal, detail=state.detail,
-        records=[S.ProgressRecord(**r) for r in records],
+        records=[S.ProgressRecord(**r) for r in got.records],
         last=S.ProgressRecord(**last) if last else None,
-        anomalies=anomalies, cursor=cursor, next_cursor=next_cursor, more=more,
+        anomalies=anomalies, cursor=cursor, next_cursor=got.next_cursor, more=got.more,
+        tokens_per_s=pace.tokens_per_s, steps_per_s=pace.steps_per_s, eta_s=pace.eta_s,
     )
     if plot:
-        result._image_png = _loss_png(pc, run_dir, run_id, src)
+        result._image_png = _loss_png(pc, run_dir, run_id, got.src is not None)
     return result
 
 
-def _count_records(f, end: int, parse) -> int:
-    n = 0
-    f.seek(0)
-    pos = 0
-    buf = b""
-    while pos < end:
-        chunk = f.read(min(_CHUNK, end - pos))
-        if not chunk:
-            break
-        pos += len(chunk)
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        n += sum(1 for ln in lines if parse(ln) is not None)
-    return n
+def _loss_text(loss: float) -> str:
+    return f"{loss:.4g}" if math.isfinite(loss) else str(loss)
 
 
-def _loss_png(pc: PhaseContext, run_dir: Path, run_id: str, src: _Source | None) -> bytes | None:
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 90:
+        return f"{s}s"
+    if s < 90 * 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _loss_png(pc: PhaseContext, run_dir: Path, run_id: str, has_records: bool) -> bytes | None:
     png = run_dir / "loss.png"
     if png.is_file():
         return pc.guard.read_bytes(png)
-    if src is None:
+    if not has_records:
         return None
     from finetune_mcp.worker import run_job
 
     with tempfile.TemporaryDirectory(prefix="ftmcp-plot-") as tmp:
         out = Path(tmp) / "loss.png"
-        params: dict[str, Any] = {"out": str(out), "title": run_id}
-        if src.kind == "progress":
-            params["progress_path"] = str(src.path)
-        else:
-            with open(src.path, "rb") as f:
-                got, _, _, _ = _lines_forward(f, 0, 10**9, _parse_stdout_line)
-            every = int(config_value(run_dir, "logging_steps") or 1)
-            params["points"] = [[(i + 1) * every, r["loss"]] for i, (_, r) in enumerate(got)]
-        run_job("plot_loss", params, timeout=120, light=True)
+        points = [[r["step"], r["loss"]] for r in progress.all_records(run_dir)]
+        run_job("plot_loss", {"out": str(out), "title": run_id, "points": points}, timeout=120, light=True)
         return out.read_bytes()
 
 
 # ================================================================ roadbook
 
 
-_NOTE_RE = re.compile(r"<!-- event:([a-z-]+) -->")
-
-
 def _roadbook(pc: PhaseContext, run_dir: Path, event: str, text: str, once: bool = False) -> bool:
-    """Append one line to the run's roadbook.md; with once=True only if that event is not there yet. False when not written."""
-    path = run_dir / "roadbook.md"
-    try:
-        pc.guard.check_write(path)
-    except FtError:
-        return False  # a role that may not write here (the eval side) only reads
-    with open(run_dir / ".roadbook.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            existing = path.read_text(encoding="utf-8") if path.exists() else ""
-            if once and f"<!-- event:{event} -->" in existing:
-                return False
-            if not existing:
-                existing = f"# Roadbook: {run_dir.parent.name}/{run_dir.name}\n\n"
-            line = f"- {utc_now()} **{event}** — {text} <!-- event:{event} -->\n"
-            pc.guard.write_text(path, existing + line)
-            return True
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    return roadbook.append(pc.guard, run_dir, text, event=event, once=once)
 
 
-def _first_record(src: _Source, run_dir: Path) -> dict | None:
-    parse = _parse_progress_line if src.kind == "progress" else _parse_stdout_line
-    with open(src.path, "rb") as f:
-        got, _, _, _ = _lines_forward(f, 0, 1, parse)
-    if not got:
-        return None
-    r = got[0][1]
-    return r if src.kind == "progress" else {**r, "step": int(config_value(run_dir, "logging_steps") or 1)}
+_NOTED: dict[str, set] = {}
 
 
-def _lifecycle_notes(pc: PhaseContext, run_dir: Path, run_id: str, state: RunState, last: dict | None,
-                     src: _Source | None) -> None:
+def _lifecycle_notes(pc: PhaseContext, run_dir: Path, state: RunState, last: dict | None) -> None:
     key = str(run_dir)
-    with _CACHE_LOCK:
-        noted = _NOTED.setdefault(key, set())
+    noted = _NOTED.setdefault(key, set())
     todo = []
-    if last is not None and "first-step" not in noted and src is not None:
-        first = _first_record(src, run_dir) or last
+    if last is not None and "first-step" not in noted:
+        first = progress.first_record(run_dir) or last
         todo.append(("first-step", f"poll_progress: first record, step {first['step']} loss {first['loss']:.4g}"))
     if state.status in TERMINAL:
         ev = {"succeeded": "finished", "failed": "failed", "stopped": "stopped"}[state.status]
@@ -826,36 +505,92 @@ def _lifecycle_notes(pc: PhaseContext, run_dir: Path, run_id: str, state: RunSta
             todo.append((ev, f"poll_progress: {state.status} ({how}){at}" + (f" — {state.detail}" if state.detail and ev == "failed" else "")))
     for ev, text in todo:
         _roadbook(pc, run_dir, ev, text, once=True)
-        with _CACHE_LOCK:
-            noted.add(ev)
+        noted.add(ev)
+    _requeue_notes(pc, run_dir, noted)
 
 
-_NOTED: dict[str, set] = {}
+_PARENT_MEDIAN: dict[tuple[str, int], float | None] = {}
+
+
+def _resume_jumps(pc: PhaseContext, run_dir: Path, records: list[dict]) -> list[S.Anomaly]:
+    """A resumed run whose first losses sit far above where the run it continues had got to (transformers#33336:
+    a fresh optimizer or schedule, other batches, a model reloaded without its adapter)."""
+    resumed = (run_config(run_dir).get("run") or {}).get("resumed_from")
+    if not isinstance(resumed, dict) or not records:
+        return []
+    rule = progress.spike_rule(pc.skills)
+    step = int(resumed.get("step") or 0)
+    early = [r for r in records if r["step"] <= step + rule.window and math.isfinite(r["loss"])]
+    if not early:
+        return []
+    key = (str(resumed.get("run_id")), step)
+    if key not in _PARENT_MEDIAN:
+        before = [r["loss"] for r in progress.all_records(pc.ws.output_root / key[0]) if r["step"] <= step and math.isfinite(r["loss"])]
+        _PARENT_MEDIAN[key] = statistics.median(before[-rule.window:]) if len(before) >= rule.min_history else None
+    med = _PARENT_MEDIAN[key]
+    return [S.Anomaly(kind="loss-jump-after-resume", step=r["step"],
+                      message=f"loss {r['loss']:.4g} at step {r['step']} is {r['loss'] / med:.1f}x the median {med:.4g} of "
+                              f"{key[0]} before {resumed.get('checkpoint')}: the resume did not restore the training state "
+                              "(optimizer, schedule, data order or adapter); compare both runs' config.yaml and stop this one")
+            for r in early if med and med > 0 and r["loss"] > rule.factor * med]
+
+
+_RESUMES_SEEN: dict[str, int] = {}
+
+
+def _requeue_notes(pc: PhaseContext, run_dir: Path, noted: set) -> None:
+    """Each time train.py resumed in its own directory (a requeued Slurm job, a restarted trainer), once in the roadbook."""
+    path = run_dir / "logs" / "resumes.jsonl"
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return
+    if _RESUMES_SEEN.get(str(path)) == size:
+        return  # nothing new since this server last looked
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return
+    _RESUMES_SEEN[str(path)] = size
+    for i, line in enumerate(lines, 1):
+        ev = f"requeued-{i}"
+        if ev in noted:
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        _roadbook(pc, run_dir, ev, f"train.py restarted in this run directory (attempt {r.get('attempt', '?')}) and resumed from its own "
+                                   f"{r.get('checkpoint')}: optimizer, scheduler and RNG state restored; the records of steps it "
+                                   f"recomputes after step {r.get('step')} were already written and are not repeated", once=True)
+        noted.add(ev)
+
+
+def forget() -> None:
+    """Drop everything this server remembers of runs (tests and benchmarks: a freshly started server)."""
+    from finetune_mcp.phases import run_state
+
+    _NOTED.clear()
+    _PARENT_MEDIAN.clear()
+    _RESUMES_SEEN.clear()
+    progress.forget()
+    run_state.forget()
 
 
 # ================================================================ stop_run
 
 
-def _latest_checkpoint(run_dir: Path) -> str | None:
-    cps = []
-    for p in (run_dir / "checkpoints").glob("checkpoint-*"):
-        m = re.fullmatch(r"checkpoint-(\d+)", p.name)
-        if m and p.is_dir():
-            cps.append((int(m.group(1)), p))
-    return str(max(cps)[1]) if cps else None
-
-
 def stop_run(pc: PhaseContext, run_id: str, grace_seconds: float = 30.0) -> S.StopResult:
     run_dir = pc.guard.check_read(pc.ws.run_dir(run_id))
     pc.guard.check_write(run_dir / STOP_MARKER)
-    run_json = _read_json_file(run_dir / "run.json")
+    run_json = read_json_file(run_dir / "run.json")
     if run_json is None:
         raise Refused(f"{run_id} has no run.json yet: its launch has not completed", where=str(run_dir / "run.json"),
                       fix="poll_progress until it reports running, then stop it")
     state = run_state(run_dir, run_json, has_records=True)
     if state.status in TERMINAL:
         return S.StopResult(summary=f"{run_id} had already ended: {state.status}" + (f" ({state.detail})" if state.detail else ""),
-                            run_id=run_id, status=state.status, signal_sent=[], checkpoint=_latest_checkpoint(run_dir))
+                            run_id=run_id, status=state.status, signal_sent=[], checkpoint=latest_checkpoint(run_dir))
     pc.guard.write_text(run_dir / STOP_MARKER, json.dumps({"requested_at": utc_now(), "by": "stop_run",
                                                            "grace_seconds": grace_seconds}) + "\n")
     _roadbook(pc, run_dir, "stop-requested", f"stop_run: SIGTERM (the trainer saves a checkpoint), SIGKILL after {grace_seconds:g}s")
@@ -863,17 +598,16 @@ def stop_run(pc: PhaseContext, run_id: str, grace_seconds: float = 30.0) -> S.St
     t0 = time.monotonic()
     sent = lau.stop(run_dir, run_json, float(grace_seconds),
                     tick=lambda what: pc.progress(time.monotonic() - t0, float(grace_seconds), what))
-    if _read_json_file(run_dir / "exit.json") is None and not lau.alive(run_dir, run_json):
+    if read_json_file(run_dir / "exit.json") is None and not lau.alive(run_dir, run_json):
         # The supervisor died without recording the exit (it was killed with the group): record it here.
         atomic_write_json(run_dir / "exit.json", {"returncode": 137, "signal": "SIGKILL", "ended_at": utc_now(),
                                                   "stopped_by": "stop_run", "pid": None, "wrapper_pid": run_json.get("pid"),
                                                   "note": "written by stop_run: the supervisor recorded no exit"})
     state = run_state(run_dir, run_json, has_records=True)
-    cp = _latest_checkpoint(run_dir)
+    cp = latest_checkpoint(run_dir)
     _roadbook(pc, run_dir, "stopped", f"stop_run: {state.status} after {', '.join(sent) or 'no signal'}"
               + (f"; last checkpoint {Path(cp).name}" if cp else "; no checkpoint"), once=True)
-    with _CACHE_LOCK:
-        _NOTED.setdefault(str(run_dir), set()).add("stopped")
+    _NOTED.setdefault(str(run_dir), set()).add("stopped")
     return S.StopResult(
         summary=f"{run_id}: {state.status} ({' then '.join(sent) or 'no signal needed'})"
                 + (f"; checkpoint kept: {Path(cp).name}" if cp else "; no checkpoint was saved"),
@@ -898,7 +632,7 @@ def _tree_bytes(path: Path) -> int:
 
 def prune_checkpoints(pc: PhaseContext, run_id: str) -> S.PruneResult:
     run_dir = pc.guard.check_read(pc.ws.run_dir(run_id))
-    state = run_state(run_dir, _read_json_file(run_dir / "run.json"), has_records=True)
+    state = run_state(run_dir, read_json_file(run_dir / "run.json"), has_records=True)
     if state.status != "succeeded":
         raise Refused(f"{run_id} is {state.status}, not succeeded: its checkpoints may be all that is left of it",
                       where=str(run_dir / "checkpoints"),

@@ -91,11 +91,20 @@ def main(argv=None):
         train_ds, eval_ds = load_datasets(cfg, processing)
         callbacks = [ProgressLog(run_dir, telemetry), StopOnRequest()]
         trainer = build_trainer(cfg, run_dir, model, processing, peft_config, train_ds, eval_ds, callbacks)
-        resume = (cfg.get("run") or {}).get("resume_from_checkpoint")
-        if resume and not Path(resume).is_absolute():
-            resume = str(run_dir / resume)
-        print(f"[train.py] {METHOD} x {BACKEND}: {len(train_ds)} training rows; run dir {run_dir}", flush=True)
-        trainer.train(resume_from_checkpoint=resume or None)
+        resume = resume_point(cfg, run_dir)
+        print(f"[train.py] {METHOD} x {BACKEND}: {len(train_ds)} training rows; run dir {run_dir}"
+              + (f"; resuming from {resume}" if resume else ""), flush=True)
+        if resume:
+            trainer.add_callback(ResumeGuard(trainer.model))
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except ValueError as e:
+            if "parameter group" in str(e):  # torch.optim: "loaded state dict contains a parameter group that doesn't match ..."
+                raise SystemExit(f"resume refused: optimizer parameter groups do not match the checkpoint ({e}). The checkpoint's "
+                                 "optimizer was built for another set of trainable tensors: the adapter (r, target_modules, "
+                                 "modules_to_save) or the method changed since it was saved. Resume with the config it was "
+                                 "saved with, or start a new run") from None
+            raise
         Stop.training = False
 
         step = trainer.state.global_step
@@ -130,6 +139,44 @@ def main(argv=None):
     finally:
         telemetry.close()
         _leave_process_group(in_step=sys.exc_info()[0] is None)
+
+
+def resume_point(cfg, run_dir):
+    """The checkpoint this start continues from: the run's own newest one (a requeued or restarted job), else the
+    one launch_run named (run.resume_from_checkpoint: another run's checkpoint), else None."""
+    own = sorted((int(p.name.split("-")[1]), p) for p in (Path(run_dir) / "checkpoints").glob("checkpoint-*")
+                 if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").is_file())
+    if own:
+        step, path = own[-1]
+        with open(Path(run_dir) / "logs" / "resumes.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": round(time.time(), 3), "checkpoint": path.name, "step": step,
+                                "attempt": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}) + "\n")
+        return str(path)
+    resume = (cfg.get("run") or {}).get("resume_from_checkpoint")
+    if resume and not Path(resume).is_absolute():
+        resume = str(Path(run_dir) / resume)
+    return resume or None
+
+
+class ResumeGuard(TrainerCallback):
+    """After a resume, every tensor the fresh adapter trains must still be trainable.
+
+    Reloading a PEFT adapter can leave its modules_to_save copies (embed_tokens, lm_head) frozen
+    (peft#859, unsloth#3108): the run would go on without training them and its loss drift from the run
+    it continues. Refused by name instead.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        now = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        frozen = sorted(self.trainable - now)
+        if frozen:
+            raise SystemExit(f"resume refused: {len(frozen)} adapter tensors came back frozen after loading the checkpoint "
+                             f"(first: {frozen[0]}); modules_to_save layers such as embed_tokens / lm_head are the known "
+                             "case (peft#859). Nothing was trained; start a new run or resume with is_trainable adapters")
 
 
 def _leave_process_group(in_step: bool):

@@ -1,0 +1,104 @@
+"""A few real training steps of the brief's model at the expected batch shape: seconds per micro-step, peak memory.
+
+Run by preflight as a worker job, so its expected wall time rests on a measurement, not on a guess. The
+model is loaded as training will load it (fp32 on a CPU, bf16 on a GPU), wrapped with LoRA of the
+recipe's rank on the recipe's targets, and trained with AdamW on random token ids of the batch shape
+(micro batch x sequences per example x tokens per sequence) with an explicit attention mask, as the
+trainer's collator passes one. The first step pays one-time costs (weights paged in, kernels chosen)
+and is reported apart; the rest give the steady time per micro-step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+
+
+def _rss_gb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
+def probe(P: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    steps = max(2, int(P.get("steps", 3)))
+    b = int(P["micro_batch"]) * int(P.get("sequences_per_example", 1))
+    s = int(P["tokens_per_sequence"])
+    emit_progress(0, steps + 1, f"loading {P['model_path']}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(P["model_path"], dtype=dtype)
+    except Exception as e:
+        raise JobError(f"cannot load the base model for the step probe: {type(e).__name__}: {str(e)[:200]}",
+                       kind="JobFailed", where=P["model_path"]) from None
+    if cuda:
+        model = model.cuda()
+    if P.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    targets = [t if t.endswith("_proj") else f"{t}_proj" for t in P.get("lora_targets") or ["q", "k", "v", "o", "gate", "up", "down"]]
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    targets = [t for t in targets if t in present] or "all-linear"
+    model = get_peft_model(model, LoraConfig(r=int(P.get("lora_r", 16)), lora_alpha=int(P.get("lora_r", 16)),
+                                             target_modules=targets, task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    peak = [_rss_gb()]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], _rss_gb())
+
+    threading.Thread(target=sample, daemon=True).start()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps):
+        x = torch.randint(0, vocab, (b, s), generator=gen)
+        mask = torch.ones_like(x)
+        mask[0, -1] = 0  # a padded position, so attention takes the same kernel as a padded batch does
+        if cuda:
+            x, mask = x.cuda(), mask.cuda()
+        t0 = time.perf_counter()
+        if P.get("reference_forward"):
+            with torch.no_grad(), model.disable_adapter():
+                model(input_ids=x, attention_mask=mask)
+        out = model(input_ids=x, attention_mask=mask, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        del out
+        emit_progress(i + 1, steps + 1, f"step {i + 1}/{steps}: {times[-1]:.2f} s")
+    stop.set()
+    steady = times[1:]
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "batch_shape": [b, s],
+        "steps": steps,
+        "first_step_s": round(times[0], 4),
+        "s_per_micro_step": round(statistics.median(steady), 4),
+        "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3) if cuda else round(peak[0], 3),
+        "peak_source": "torch.cuda.max_memory_allocated" if cuda else "process resident memory",
+        "params": {k: P.get(k) for k in ("micro_batch", "sequences_per_example", "tokens_per_sequence", "lora_r",
+                                         "gradient_checkpointing", "reference_forward")},
+    }
+
+
+if __name__ == "__main__":
+    run_main(probe)

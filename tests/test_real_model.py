@@ -1,0 +1,86 @@
+"""The lifecycle's first half on a real pretrained model, through MCP: SmolLM2-135M-Instruct (converted from its GGUF).
+
+prepare_dataset on chat data finds a masking way for SmolLM2's template (which has no {% generation %}
+markers and no TRL training copy), preflight times real steps, generate_config and launch_run train a
+short real run whose loss falls. Kept short for CI: a handful of steps at sequence length 256.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import pytest
+
+from conftest import link_model, mcp_session
+from finetune_mcp.embedded import identity
+
+STEPS = 8
+
+
+@pytest.fixture
+def smol_root(ws_root, smollm2_dir):
+    link_model(ws_root, smollm2_dir)
+    inbox = ws_root / "inbox"
+    inbox.mkdir()
+    (inbox / "training-brief.md").write_text(identity.sample_brief("SmolLM2-135M-Instruct", 256))
+    identity.write_jsonl(identity.rows(), inbox / "identity.jsonl")
+    return ws_root
+
+
+async def _call(s, tool, args):
+    r = await s.call_tool(tool, args)
+    assert not r.is_error, r.content[0].text
+    return r.structured_content
+
+
+def test_smollm2_prepare_preflight_train(smol_root):
+    inbox = smol_root / "inbox"
+
+    async def go():
+        async with mcp_session() as s:
+            prep = await _call(s, "prepare_dataset", {"brief_path": str(inbox / "training-brief.md"),
+                                                      "source": str(inbox / "identity.jsonl")})
+            pf = await _call(s, "preflight", {"experiment": prep["experiment"]})
+            cfg = await _call(s, "generate_config", {"experiment": prep["experiment"], "tag": "short", "overrides": {
+                "max_steps": STEPS, "logging_steps": 1, "learning_rate": 1e-3, "warmup_steps": 0}})
+            run = await _call(s, "launch_run", {"experiment": prep["experiment"], "tag": "short"})
+            records, cursor, t0 = [], 0, time.monotonic()
+            while time.monotonic() - t0 < 600:
+                p = await _call(s, "poll_progress", {"run_id": run["run_id"], "cursor": cursor})
+                records += p["records"]
+                cursor = p["next_cursor"]
+                if p["status"] in ("succeeded", "failed", "stopped"):
+                    break
+                await anyio.sleep(2)
+            return prep, pf, cfg, run, p, records
+
+    prep, pf, cfg, run, final, records = anyio.run(go)
+
+    # Masking: SmolLM2's template gets the derived spans; every decoded sample trains exactly the reply + <|im_end|>.
+    assert prep["complete"], prep["summary"]
+    assert prep["masking"]["method"] == "derived-spans" and prep["masking"]["plan"]["eot"] == ["<|im_end|>"]
+    assert "SmolLM" in prep["masking"]["default_system_prompt"]
+    rows = {m["messages"][0]["content"]: m["messages"][1]["content"] for m in identity.rows()}
+    for sample in prep["decoded_samples"]:
+        user = sample.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        trained = sample.split("⟦", 1)[1].split("⟧", 1)[0]
+        assert sample.count("⟦") == 1 and trained.removesuffix("<|im_end|>") in rows.values() and user in rows
+    card = (smol_root / "experiments" / "trainings" / prep["experiment"] / "data" / "dataset-card.md").read_text()
+    assert "derived-spans" in card and "own system prompt" in card
+
+    # Preflight timed real steps and estimated at the shape the config then used.
+    assert pf["time_estimate"]["measured"] and pf["time_estimate"]["s_per_micro_step"] > 0
+    assert pf["memory_estimate"]["micro_batch_size"] == 2 and pf["memory_estimate"]["tokens_per_sequence"] < 256
+    assert cfg["masking"] == "derived-spans"
+
+    # The run trained: every record has exactly the five keys, and the loss fell.
+    assert final["status"] == "succeeded", final
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(set(r) == {"step", "loss", "lr", "mem_gb", "temp_c"} for r in records)
+    first, last = sum(r["loss"] for r in records[:2]) / 2, sum(r["loss"] for r in records[-2:]) / 2
+    assert last < first * 0.8, [r["loss"] for r in records]
+    config = json.loads(json.dumps(__import__("yaml").safe_load(
+        (smol_root / "outputs" / "trainings" / run["run_id"] / "config.yaml").read_text())))
+    assert config["data"]["masking"]["method"] == "derived-spans"
