@@ -567,7 +567,7 @@ def main(argv=None) -> int:
         if only and spec.name not in only:
             check.stages.append(Stage(spec.name, "skipped", 0.0, "not selected (--only)"))
             continue
-        check.stage(spec.name, env_guard(lambda b, spec=spec: do_run(check, spec, b)), floor_s=30 if a.gpu else 20, cap_s=150 if a.gpu else 600)
+        check.stage(spec.name, env_guard(lambda b, spec=spec: do_run(check, spec, b)), floor_s=30 if a.gpu else 20, cap_s=180 if a.gpu else 600)
     if only and "pytest-gpu" not in only:
         check.stages.append(Stage("pytest-gpu", "skipped", 0.0, "not selected (--only)"))
     else:
