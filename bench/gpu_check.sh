@@ -91,7 +91,8 @@ BASE_PY="$(command -v python3)"
   echo "# base python: $BASE_PY ($("$BASE_PY" -V 2>&1))"
   "$BASE_PY" -m pip list 2>&1
 } > "$TREE/env/pip-list-base.txt"
-say "machine's packages: $(grep -ciE '^[a-z0-9]' "$TREE/env/pip-list-base.txt") in pip list (env/pip-list-base.txt)"
+say "the machine's pip list (also env/pip-list-base.txt in details.tar.gz):"
+cat "$TREE/env/pip-list-base.txt"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi > "$TREE/env/nvidia-smi.txt" 2>&1 || true
   nvidia-smi -q > "$TREE/env/nvidia-smi-q.txt" 2>&1 || true
