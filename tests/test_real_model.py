@@ -1,8 +1,10 @@
-"""The lifecycle's first half on a real pretrained model, through MCP: SmolLM2-135M-Instruct (converted from its GGUF).
+"""A shortened lifecycle on a real pretrained model, through both MCP servers: SmolLM2-135M-Instruct (from its GGUF).
 
 prepare_dataset on chat data finds a masking way for SmolLM2's template (which has no {% generation %}
 markers and no TRL training copy), preflight times real steps, generate_config and launch_run train a
-short real run whose loss falls. Kept short for CI: a handful of steps at sequence length 256.
+short real run whose loss falls; the eval engineer evaluates base against tuned with free-text scorers
+and drift, signs a verdict, and the merged 16-bit export is smoke-tested. Kept short for CI: a handful of
+steps at sequence length 256 (`finetune-mcp demo --model smollm2` is the full run).
 """
 
 from __future__ import annotations
@@ -54,9 +56,27 @@ def test_smollm2_prepare_preflight_train(smol_root):
                 if p["status"] in ("succeeded", "failed", "stopped"):
                     break
                 await anyio.sleep(2)
-            return prep, pf, cfg, run, p, records
+            ev, verdict, export = await gate_and_export(run["run_id"], prep["experiment"])
+            return prep, pf, cfg, run, p, records, ev, verdict, export
 
-    prep, pf, cfg, run, final, records = anyio.run(go)
+    async def gate_and_export(run_id, exp):
+        async with mcp_session("eval-engineer") as s:
+            held_out = identity.eval_prompts()[:4]
+            files = {"prompts.jsonl": "".join(json.dumps(r) + "\n" for r in held_out),
+                     "goldens.jsonl": "".join(json.dumps({"prompt": p}) + "\n" for p in identity.GENERAL_PROMPTS),
+                     "drift.jsonl": "".join(json.dumps({"prompt": p}) + "\n" for p in identity.GENERAL_PROMPTS),
+                     "eval.yaml": "max_new_tokens: 24\ndrift_max_new_tokens: 16\nperplexity_max_tokens: 256\n"
+                                  "thresholds:\n  max_kl: null\n  max_perplexity_ratio: null\n"}
+            for name, content in files.items():
+                await _call(s, "write_eval_file", {"experiment": exp, "relpath": name, "content": content})
+            ev = await _call(s, "evaluate_checkpoint", {"run_id": run_id})
+            verdict = await _call(s, "record_verdict", {"run_id": run_id, "verdict": "PROMOTE",
+                                                        "evidence": f"eval loss {ev['eval_loss']}, KL {ev['drift']['kl']}"})
+        async with mcp_session() as s:
+            export = await _call(s, "export", {"run_id": run_id, "format": "merged-16bit", "target_runtime": "transformers"})
+        return ev, verdict, export
+
+    prep, pf, cfg, run, final, records, ev, verdict, export = anyio.run(go)
 
     # Masking: SmolLM2's template gets the derived spans; every decoded sample trains exactly the reply + <|im_end|>.
     assert prep["complete"], prep["summary"]
@@ -84,3 +104,12 @@ def test_smollm2_prepare_preflight_train(smol_root):
     config = json.loads(json.dumps(__import__("yaml").safe_load(
         (smol_root / "outputs" / "trainings" / run["run_id"] / "config.yaml").read_text())))
     assert config["data"]["masking"]["method"] == "derived-spans"
+
+    # Evaluation: every prompt side by side with the scorer it used; eval loss fell from the base's; drift measured.
+    assert len(ev["items"]) == 4 and all(i["scorer"].startswith("contains") and i["base_output"] for i in ev["items"])
+    assert ev["eval_loss"] < ev["base_eval_loss"], (ev["eval_loss"], ev["base_eval_loss"])
+    assert ev["drift"]["kl"] > 0 and ev["drift"]["perplexity_ratio"] > 0
+    assert verdict["verdict"] == "PROMOTE"
+    # Export: the merged model answers the golden prompts exactly as base + adapter did.
+    items = export["smoke_test"]["items"]
+    assert export["exported"] and export["smoke_test"]["passed"] and len(items) == 3 and all(i["identical"] for i in items)

@@ -521,6 +521,7 @@ class EvalResult(Result):
     task_accuracy: float | None = None
     base_accuracy: float | None = None
     eval_loss: float | None = None
+    base_eval_loss: float | None = Field(default=None, description="the base model's loss on the same rows, beside the fine-tuned one")
     drift: DriftFigures = Field(default_factory=DriftFigures)
     side_by_side: SideBySide = Field(default_factory=SideBySide)
     scorers: dict[str, int] = Field(default_factory=dict, description="scorer label -> prompts it judged")

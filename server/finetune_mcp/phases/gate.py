@@ -561,6 +561,7 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         task_accuracy=res.get("task_accuracy"),
         base_accuracy=res.get("base_accuracy"),
         eval_loss=res.get("eval_loss"),
+        base_eval_loss=res.get("base_eval_loss"),
         drift=S.DriftFigures(**drift),
         side_by_side=S.SideBySide(**sbs),
         scorers=scorers,
