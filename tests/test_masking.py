@@ -190,3 +190,20 @@ def test_a_template_that_writes_no_end_of_turn_is_refused_by_name(smollm2_dir):
     assert choice["plan"] is None
     why = " ".join(a["why"] or "" for a in choice["attempts"])
     assert "no end-of-turn token" in why and "could not learn to stop" in why
+
+
+@pytest.mark.parametrize("name", ["llama3--meta-llama-Llama-3.1-8B-Instruct.jinja", "chatml--HuggingFaceTB-SmolLM2-135M-Instruct.jinja",
+                                  "gemma3--google-gemma-3-4b-it.jinja", "mistral--mistralai-Mistral-7B-Instruct-v0.2.jinja"])
+def test_the_delimiter_way_masks_the_same_replies(matrix, name):
+    """The fourth way (response part to end-of-turn, found on a rendered probe) gives the replies the first way found."""
+    entry, tok, choice = matrix[name]
+    tpl = M.template_text(tok)
+    eots, rp, ip = M.derive_parts(tok, tpl)
+    assert rp and rp.strip() and eots
+    plan = M.new_plan("delimiters", tpl, eots, rp, ip)
+    for row in ("single-turn", "multi-turn"):
+        msgs = M.PROBES[row]["messages"]
+        ids, mask = M.encode(tok, plan, tpl, msgs)
+        M.check(tok, plan, msgs, ids, mask)
+        got = [t[: -len(_eot(entry))].strip() if t.endswith(_eot(entry)) else t for t in _replies_of(tok, ids, mask)]
+        assert got == [m["content"] for m in msgs if m["role"] == "assistant"], (row, got)
