@@ -144,11 +144,12 @@ def _register_resources(server: MCPServer, pc: PhaseContext) -> None:
 
 def _register_brief_help(server: MCPServer, pc: PhaseContext, allowed: set[str]) -> None:
     """The brief, documented where an agent looks: a complete example as a resource, and a prompt that drafts one."""
-    from finetune_mcp.phases.brief import example_brief
 
     @server.resource("brief://example", name="brief-example", title="A complete training brief: every section, every accepted value",
                      mime_type="text/markdown")
     def brief_example() -> str:
+        from finetune_mcp.phases.brief import example_brief  # imported on use, like every phase module
+
         return example_brief()
 
     if "prepare_dataset" not in allowed:

@@ -15,7 +15,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 
-class Args(BaseModel):
+class _Model(BaseModel):
+    # Validators and schemas are built on first use, not at import: a server builds only its role's tools'
+    # (cold start, bench/bench_startup.py).
+    model_config = ConfigDict(defer_build=True)
+
+
+class Args(_Model):
     """A tool's arguments; the docstring of each subclass is the tool's description."""
 
     model_config = ConfigDict(extra="forbid")
@@ -24,7 +30,7 @@ class Args(BaseModel):
 RunRef = Annotated[str, Field(description="<experiment>/<YYYYMMDD-HHMM-tag>, as launch_run returned it")]
 
 
-class Result(BaseModel):
+class Result(_Model):
     model_config = ConfigDict(extra="forbid")
 
     summary: str = Field(description="one line on what happened, for a person reading the call")
@@ -51,7 +57,7 @@ class PrepareDatasetArgs(Args):
     eval_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.05
 
 
-class Problem(BaseModel):
+class Problem(_Model):
     severity: Literal["error", "warning"]
     code: str = Field(description="problem class, e.g. malformed-json, roles-order, near-duplicate")
     message: str
@@ -61,7 +67,7 @@ class Problem(BaseModel):
     field: str | None = None
 
 
-class ChecklistItem(BaseModel):
+class ChecklistItem(_Model):
     item: str
     ok: bool
     evidence: str
@@ -126,7 +132,7 @@ class PreflightArgs(Args):
     experiment: Annotated[str, Field(description="experiment name returned by prepare_dataset")]
 
 
-class CheckResult(BaseModel):
+class CheckResult(_Model):
     id: str
     name: str
     status: Literal["pass", "warn", "fail"]
@@ -175,7 +181,7 @@ class GenerateConfigArgs(Args):
     overrides: Annotated[dict[str, Any], Field(description="values for keys of the chosen method's recipe only")] = {}
 
 
-class ResolvedValue(BaseModel):
+class ResolvedValue(_Model):
     value: Any
     source: str = Field(description="recipe | brief | budget-rule | override | platform, with the skill section")
 
@@ -260,7 +266,7 @@ class PruneCheckpointsArgs(Args):
     run_id: RunRef
 
 
-class ProgressRecord(BaseModel):
+class ProgressRecord(_Model):
     """Exactly the record shape of the training-engineer seed, keys in this order."""
 
     model_config = ConfigDict(extra="forbid")
@@ -276,7 +282,7 @@ class ProgressRecord(BaseModel):
         return None if v is None or not math.isfinite(v) else v
 
 
-class Anomaly(BaseModel):
+class Anomaly(_Model):
     kind: Literal["nan-loss", "inf-loss", "loss-spike", "stalled", "loss-jump-after-resume"]
     step: int | None = None
     message: str
@@ -348,7 +354,7 @@ class CompareRunsArgs(Args):
     plot: Annotated[bool, Field(description="also return the overlaid loss curves as a PNG image")] = True
 
 
-class CompareRow(BaseModel):
+class CompareRow(_Model):
     run_id: str
     status: str
     differs: dict[str, Any] = Field(default_factory=dict, description="this run's value of every setting that is not the same in all runs")
@@ -398,25 +404,25 @@ class TriageFailureArgs(Args):
     log_path: Annotated[str | None, Field(description="any training log file")] = None
 
 
-class EvidenceLine(BaseModel):
+class EvidenceLine(_Model):
     file: str
     line: int
     text: str
 
 
-class CauseCheck(BaseModel):
+class CauseCheck(_Model):
     cause: str
     verdict: Literal["explains", "cleared", "not-checked"]
     why: str
 
 
-class RunnerUp(BaseModel):
+class RunnerUp(_Model):
     failure_class: Literal["environment", "divergence", "oom", "none"]
     confidence: float = Field(ge=0, le=1)
     why: str
 
 
-class MetricsSeen(BaseModel):
+class MetricsSeen(_Model):
     """What the log's numbers were, as parsed from any format (HF dicts, key=value, tables, JSON, Megatron)."""
 
     records: int = 0
@@ -448,7 +454,7 @@ class TriageResult(Result):
 # --- gate and export ---------------------------------------------------------------------
 
 
-class EvalItem(BaseModel):
+class EvalItem(_Model):
     """One task prompt, judged on the base model and on the fine-tuned one."""
 
     prompt: Any
@@ -463,13 +469,13 @@ class EvalItem(BaseModel):
     change: Literal["improved", "regressed", "unchanged"]
 
 
-class SideBySide(BaseModel):
+class SideBySide(_Model):
     improved: int = 0
     regressed: int = 0
     unchanged: int = 0
 
 
-class DriftFigures(BaseModel):
+class DriftFigures(_Model):
     kl: float | None = Field(default=None, description="mean per-token KL(base || tuned), nats, on the base model's greedy continuations of general prompts")
     perplexity_ratio: float | None = Field(default=None, description="perplexity on a general text, fine-tuned / base (1.0 = unchanged)")
     perplexity_base: float | None = None
