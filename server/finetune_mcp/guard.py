@@ -48,7 +48,8 @@ def load_policy(role: str, roles_dir: Path | None = None) -> RolePolicy:
         known = sorted(p.stem for p in roles_dir.glob("*.yaml"))
         raise BadInput(f"unknown role {role!r}{_did_you_mean(role, known)}", where="--role", fix=f"use one of: {', '.join(known)}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        # The C loader where libyaml is present (a server start reads this file): the same safe subset.
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         policy = RolePolicy.model_validate(raw)
     except yaml.YAMLError as e:
         raise BadInput(f"role policy is not valid YAML: {e}", where=str(path)) from None

@@ -6,8 +6,6 @@ keywords. Every result starts with `summary`, one line a person reads first; `ci
 skill sections (skill#anchor) whose facts the tool applied. Sections are owned per tool.
 """
 
-from __future__ import annotations
-
 import json
 import math
 from typing import Annotated, Any, Literal
