@@ -61,6 +61,13 @@ def cases(steps: int) -> list[dict]:
          "brief": identity.sample_brief("SmolLM2-135M-Instruct", 512), "rows": identity.long_rows(), "overrides": {}},
         {"name": "SmolLM2-135M DPO (seq 256, batch 2)", "model": "smol",
          "brief": identity.sample_brief("SmolLM2-135M-Instruct", 256, method="DPO"), "rows": identity.preference_rows(), "overrides": {}},
+        # bitsandbytes 4-bit on a CPU: Unsloth loads Linear4bit layers there (its own venv; FINETUNE_MCP_UNSLOTH_PYTHON).
+        {"name": "SmolLM2-135M SFT-QLoRA, Unsloth 4-bit on CPU (seq 256, batch 2)", "model": "smol", "unsloth": True,
+         "brief": identity.sample_brief("SmolLM2-135M-Instruct", 256, method="SFT-QLoRA"), "rows": identity.rows(), "overrides": {}},
+        {"name": "SmolLM2-135M SFT-QLoRA, Unsloth 4-bit on CPU (seq 512, batch 2, long chats)", "model": "smol", "unsloth": True,
+         "brief": identity.sample_brief("SmolLM2-135M-Instruct", 512, method="SFT-QLoRA"), "rows": identity.long_rows(), "overrides": {}},
+        {"name": "SmolLM2-135M SFT-LoRA, Unsloth on CPU (seq 256, batch 2)", "model": "smol", "unsloth": True,
+         "brief": identity.sample_brief("SmolLM2-135M-Instruct", 256), "rows": identity.rows(), "overrides": {}},
     ]
 
 
@@ -68,6 +75,11 @@ async def run_case(case: dict, steps: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="bench-mem-"))
     env = {**os.environ, "DGX_SPARK_ROOT": str(root)}
     env.pop("OUTPUT_ROOT", None)
+    if case.get("unsloth"):
+        py = os.environ.get("FINETUNE_MCP_UNSLOTH_PYTHON") or str(REPO / ".venv-unsloth" / "bin" / "python")
+        if not Path(py).exists():
+            return {"case": case["name"], "skipped": "no Unsloth environment (bash .ci/unsloth-env.sh builds .venv-unsloth)"}
+        env["FINETUNE_MCP_TRAIN_PYTHON"] = py
     if case["model"] == "smol":
         (root / "base-models").mkdir(parents=True)
         (root / "base-models" / SMOL.name).symlink_to(ensure_smollm2(), target_is_directory=True)

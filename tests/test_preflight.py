@@ -284,6 +284,26 @@ def test_estimate_responds_to_method_precision_and_batch(skills):
     assert big_batch["gb"]["activations"] == pytest.approx(4 * lora["gb"]["activations"], rel=1e-3)
 
 
+def test_qlora_on_a_cpu_counts_the_mapped_checkpoint_and_unsloth_its_stack(skills):
+    """4-bit on a CPU keeps the stored projections mapped beside the 4-bit copy; Unsloth's stack is heavier there.
+    The figures these terms must reproduce are bench/bench_memory.py's (estimate within ±20 % of the run's peak)."""
+    t = skills.table("spark-preflight", "memory")
+    m = llama_8b()
+    bf16 = {**m, "config": {**m["config"], "checkpoint_dtype": "bfloat16"}}
+    fp32 = {**m, "config": {**m["config"], "checkpoint_dtype": "float32"}}
+    linear = memory.param_counts(m["config"])["linear"]
+    gpu = memory.estimate(bf16, "sft-qlora", 2048, "generic-nvidia", t)
+    cpu_bf16 = memory.estimate(bf16, "sft-qlora", 2048, "cpu", t)
+    cpu_fp32 = memory.estimate(fp32, "sft-qlora", 2048, "cpu", t)
+    cpu_lora = memory.estimate(fp32, "sft-lora", 2048, "cpu", t)
+    assert cpu_fp32["gb"]["weights"] - cpu_bf16["gb"]["weights"] == pytest.approx(linear * 2 / 1e9, abs=2e-3)
+    assert cpu_bf16["gb"]["weights"] > gpu["gb"]["weights"] + linear * 2 / 1e9 * 0.99  # fp32 rest + the mapped projections
+    assert cpu_fp32["gb"]["weights"] < cpu_lora["gb"]["weights"] * 1.2  # never more than the full-precision model, roughly
+    unsloth = memory.estimate(fp32, "sft-qlora", 2048, "cpu", t, backend="unsloth")
+    assert unsloth["gb"]["overhead"] == t.overhead_gb["cpu_unsloth"] > cpu_fp32["gb"]["overhead"] == t.overhead_gb["cpu"]
+    assert memory.estimate(bf16, "sft-qlora", 2048, "generic-nvidia", t, backend="unsloth")["gb"]["overhead"] == t.overhead_gb["cuda"]
+
+
 def test_model_shape_refuses_configs_without_sizes():
     with pytest.raises(BadInput, match="hidden_size"):
         memory.model_shape({"model_type": "llama", "vocab_size": 10})

@@ -259,7 +259,7 @@ class MemoryTable(Strict):
     trainable_bytes_per_param: float = Field(gt=0, description="fp32 adapter weight + fp32 gradient + AdamW's two fp32 moments")
     activation_bytes_per_value: dict[Literal["fp32", "16bit"], float]
     logits_bytes_per_token_vocab: dict[Literal["fp32", "16bit"], float]
-    overhead_gb: dict[Literal["cuda", "cpu"], float]
+    overhead_gb: dict[Literal["cuda", "cpu", "cpu_unsloth"], float]
     attention_score_copies: dict[Literal["cuda", "cpu"], float] = Field(
         description="s x s attention matrices kept per head for backward: 0 with fused SDPA kernels, scores + probabilities with the math kernel")
     defaults: MemoryDefaults

@@ -267,7 +267,8 @@ def _qlora_allowed(brief, words: list[str]) -> bool:
     return any(w.lower() in text for w in words)
 
 
-def _estimate(model_info, method: str, values: dict, platform: str, mem_table, meta: dict | None = None) -> dict:
+def _estimate(model_info, method: str, values: dict, platform: str, mem_table, meta: dict | None = None,
+              backend: str | None = None) -> dict:
     est_method = "sft-qlora" if values.get("load_in_4bit") and method == "sft-lora" else method
     seq = int(values.get("max_seq_length") or 2048)
     return memory.estimate(
@@ -277,11 +278,12 @@ def _estimate(model_info, method: str, values: dict, platform: str, mem_table, m
         lora_r=int(values.get("lora_r") or 16),
         lora_targets=[t.replace("_proj", "") for t in (values.get("target_modules") or ["q", "k", "v", "o", "gate", "up", "down"])],
         gradient_checkpointing=bool(values.get("gradient_checkpointing")),
+        backend=backend,
     )
 
 
 def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str, model_info, skills, notes: list[str],
-                  meta: dict | None = None) -> dict | None:
+                  meta: dict | None = None, backend: str | None = None) -> dict | None:
     """The memory-budget rules, in the table's order, until the estimate fits (lora-qlora-recipes#memory-budget)."""
     budget_gb = brief.memory_budget_gb
     rules = skills.table(SKILL, "rules").budget
@@ -290,7 +292,7 @@ def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str
     mem_table = skills.table("spark-preflight", "memory")
     limit = budget_gb * rules.headroom
     where = f"budget rule ({rules.cite}; {budget_gb:g} GB budget, {rules.headroom:.0%} headroom)"
-    est = _estimate(model_info, method, vals.value, platform, mem_table, meta)
+    est = _estimate(model_info, method, vals.value, platform, mem_table, meta, backend)
     for step in rules.order:
         if est["gb"]["total"] <= limit:
             break
@@ -303,7 +305,7 @@ def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str
                 if "gradient_accumulation_steps" in params:
                     g = int(vals.value.get("gradient_accumulation_steps") or 1)
                     vals.set("gradient_accumulation_steps", g * 2, where + f": accumulation {g} -> {g * 2}, same effective batch")
-                est = _estimate(model_info, method, vals.value, platform, mem_table, meta)
+                est = _estimate(model_info, method, vals.value, platform, mem_table, meta, backend)
             continue
         elif step == "qlora" and "load_in_4bit" in params and not vals.value.get("load_in_4bit"):
             if method not in rules.qlora_methods:
@@ -315,7 +317,7 @@ def _apply_budget(vals: _Values, params: dict, brief, method: str, platform: str
             vals.set("load_in_4bit", True, where + ": the brief allows QLoRA")
         else:
             continue
-        est = _estimate(model_info, method, vals.value, platform, mem_table, meta)
+        est = _estimate(model_info, method, vals.value, platform, mem_table, meta, backend)
     fits = est["gb"]["total"] <= limit
     if not fits:
         notes.append(f"estimated {est['gb']['total']:.2f} GB exceeds {rules.headroom:.0%} of the {budget_gb:g} GB budget after every budget rule; "
@@ -599,7 +601,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
     pc.progress(1, 4, "fitting the memory budget")
     mem = None
     try:
-        mem = _apply_budget(vals, params, brief, method, platform, model_info, skills, budget_notes, meta)
+        mem = _apply_budget(vals, params, brief, method, platform, model_info, skills, budget_notes, meta, chosen)
     except FtError as e:  # an unusual config.json: the preflight's memory check reports the same problem
         budget_notes.append(f"no memory estimate: {e.message}")
     # 5. overrides
@@ -610,7 +612,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
             warnings.append(f"the override of {k} replaces a budget rule's value ({before})")
     if mem is not None and overrides:
         # The estimate must describe the run that will start: overrides may change its batch, rank or length.
-        mem = _mem_result(_estimate(model_info, method, vals.value, platform, skills.table("spark-preflight", "memory"), meta),
+        mem = _mem_result(_estimate(model_info, method, vals.value, platform, skills.table("spark-preflight", "memory"), meta, chosen),
                           mem["budget_gb"], mem["limit_gb"])
         if not mem["fits"]:
             budget_notes.append(f"with the overrides the estimate is {mem['total_gb']:.2f} GB, above {mem['limit_gb']:.2f} GB "

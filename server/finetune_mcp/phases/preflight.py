@@ -563,7 +563,11 @@ def evaluate(observed: Mapping[str, Any], brief: Brief | Mapping[str, Any], skil
         if shape:
             kw = {"micro_batch_size": shape["micro_batch"], "lora_r": shape["lora_r"], "lora_targets": shape["lora_targets"],
                   "tokens_per_sequence": shape["tokens_per_sequence"], "gradient_checkpointing": shape["gradient_checkpointing"]}
-        est = memory.estimate(model, facts["method"], int(facts["max_seq_length"]), platform, mem_table, **kw)
+        # The backend generate_config will choose from this observation (Unsloth where it imports and supports the method).
+        from finetune_mcp.phases.config import _choose_backend
+
+        likely, _ = _choose_backend("auto", facts["method"], platform, {"observed": observed}, skills, [])
+        est = memory.estimate(model, facts["method"], int(facts["max_seq_length"]), platform, mem_table, backend=likely, **kw)
     elif not model_error:
         model_error = "no model config in the observation"
     budget = facts.get("memory_budget_gb")
