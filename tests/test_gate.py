@@ -25,6 +25,7 @@ import yaml
 
 from conftest import mcp_session
 from finetune_mcp.embedded import task
+from finetune_mcp.phases.gate import read_eval_result
 from finetune_mcp.workspace import Workspace, commit, ensure_repo
 
 EXP = "finetune-mcp-tiny-SFT-LoRA-repeat-words"
@@ -250,6 +251,8 @@ def test_evaluation_measures_the_trained_adapter_against_the_base(world):
     assert a["drift"]["kl"] > 0.1 and a["drift"]["perplexity_ratio"] != 1.0
     assert a["drift"]["prompts"] == len(task.drift_prompts()) and a["drift"]["kl_tokens"] > 0 and a["drift"]["perplexity_tokens"] > 500
     assert a["drift"]["text_source"].startswith("shipped general-text.txt")
+    # the fine-tuned passes ran with the adapter merged into the weights (every base pass before them)
+    assert read_eval_result(world.ws.output_root / RUN_A)["adapter_merged"] is True
     # eval loss on the prepared split: the trained adapter is far better than its initialisation
     assert a["eval_loss"] < 1.0 < u["eval_loss"]
     report = world.run_dir(RUN_A) / "eval-report.md"

@@ -15,9 +15,11 @@ Params (JSON on stdin):
   drift_max_new_tokens  length of the base model's continuations of the drift prompts (default 32)
   batch_size      prompts generated together (default 64); teacher-forced passes batch by a logits memory budget
 
-Generation is batched: left padding, greedy, stopping at the model's end-of-turn ids. The generation
-helpers are shared with the export job, so evaluation and the export smoke test produce their
-reference outputs the same way (the goldens are one batch in both).
+Generation is batched and greedy, stopping at the model's end-of-turn ids, with the answers of a left-padded
+`model.generate` for less work (see greedy_rows). Every base-model pass runs first, with the adapter
+disabled; the adapter is then merged into the weights for the fine-tuned passes. The generation helpers are
+shared with the export job, so evaluation and the export smoke test produce their reference outputs the
+same way (the goldens are one batch in both).
 """
 
 from __future__ import annotations
@@ -76,37 +78,182 @@ def pad_id(tokenizer, eos: list[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 
 
-def generate_ids(model, tokenizer, ids: list[list[int]], max_new_tokens: int, batch_size: int = DEFAULT_BATCH,
-                 on_batch=None) -> list[tuple[str, list[int], int | None]]:
-    """Greedy continuations of token-id prompts, batched with left padding: (text, tokens, the end id it stopped on).
+def generate_ids(model, tokenizer, ids: list[list[int]], max_new_tokens: int | list[int], batch_size: int = DEFAULT_BATCH,
+                 on_batch=None, want_logits: list[bool] | None = None, fast: bool = True) -> list[tuple[str, list[int], int | None]]:
+    """Greedy continuations of token-id prompts, batched: (text, tokens, the end id it stopped on).
 
-    Prompts of similar length share a batch (less padding); the order of the answers is the order asked.
-    The tokens exclude the end id; a continuation cut by max_new_tokens has end None. With `on_batch`, the
-    per-step logits come back too: on_batch(indices, step_logits [rows, steps, vocab]) after each batch.
+    `max_new_tokens` is one limit or one per prompt. Prompts of similar length share a batch (less padding);
+    the order of the answers is the order asked. The tokens exclude the end id; a continuation cut by its
+    limit has end None. With `on_batch`, the per-step logits of the rows `want_logits` names (all, when it is
+    None) come back: on_batch(indices, [a [steps, vocab] tensor or None per row]) after each batch, a row's
+    steps being its tokens plus the end id when it stopped on one; a batch holds no more such rows than
+    keep their logits within the logits budget.
+
+    `greedy_rows` decodes where the model's cache allows it (every layer a plain full-attention cache);
+    otherwise, or with fast=False, `model.generate` with left padding does, with the same answers.
+    """
+    limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)
+    want = [on_batch is not None and (want_logits is None or bool(want_logits[i])) for i in range(len(ids))]
+    vocab = vocab_size(model) if any(want) else 0
+    eos = stop_ids(tokenizer, model)
+    pad = pad_id(tokenizer, eos)
+    chunks: list[list[int]] = []
+    held = 0
+    for i in sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i)):
+        cost = limits[i] * vocab * 4 if want[i] else 0
+        if not chunks or len(chunks[-1]) >= max(1, batch_size) or (cost and held + cost > LOGITS_BUDGET):
+            chunks.append([])
+            held = 0
+        chunks[-1].append(i)
+        held += cost
+    out: list[tuple[str, list[int], int | None] | None] = [None] * len(ids)
+    for chunk in chunks:
+        rows = greedy_rows(model, [ids[i] for i in chunk], [limits[i] for i in chunk], eos, pad, [want[i] for i in chunk]) if fast else None
+        if rows is None:
+            fast = False
+            rows = [None] * len(chunk)
+            for part in ([k for k in range(len(chunk)) if want[chunk[k]]], [k for k in range(len(chunk)) if not want[chunk[k]]]):
+                if part:
+                    for k, row in zip(part, _generate_plain(model, [ids[chunk[k]] for k in part], [limits[chunk[k]] for k in part],
+                                                            eos, pad, want[chunk[part[0]]])):
+                        rows[k] = row
+        for (toks, end, _), i in zip(rows, chunk):
+            out[i] = (tokenizer.decode(toks, skip_special_tokens=True), toks, end)
+        if on_batch is not None:
+            on_batch(chunk, [r[2] for r in rows])
+    return out  # type: ignore[return-value]
+
+
+def _generate_plain(model, ids: list[list[int]], limits: list[int], eos: list[int], pad: int, keep_logits: bool):
+    """`model.generate` over one batch, left-padded: [(tokens, end id or None, step logits or None)] per row."""
+    import torch
+
+    width = max(len(q) for q in ids)
+    x = torch.tensor([[pad] * (width - len(q)) + q for q in ids], dtype=torch.long, device=model.device)
+    att = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in ids], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        gen = model.generate(input_ids=x, attention_mask=att, max_new_tokens=max(limits), do_sample=False, num_beams=1,
+                             eos_token_id=eos or None, pad_token_id=pad, output_logits=keep_logits, return_dict_in_generate=True)
+    steps = torch.stack(gen.logits, dim=1) if keep_logits else None
+    rows = []
+    for row, limit in enumerate(limits):
+        new = gen.sequences[row, width:width + limit].tolist()  # greedy: a shorter limit is a prefix of the longer run
+        cut = next((k for k, t in enumerate(new) if t in eos), None)
+        toks, end = (new, None) if cut is None else (new[:cut], new[cut])
+        rows.append((toks, end, None if steps is None else steps[row, :len(toks) + (end is not None)].clone()))
+    return rows
+
+
+# ---------------------------------------------------------------- a shared prompt prefix computed once
+
+# Chat prompts share their template's opening (a system prompt, role markers): ~24 of SmolLM2's ~37 prompt
+# tokens. Computed once for a batch instead of once per row, a prefix shorter than this is not worth a pass.
+MIN_SHARED_PREFIX = 8
+
+
+def _core(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _cache_kwarg(model) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(_core(model).forward).parameters else "past_key_values"
+
+
+def shared_prefix(seqs: list[list[int]], limit: int) -> int:
+    """Length of the rows' common leading tokens, at most `limit`."""
+    first, n = seqs[0], min([limit] + [len(q) for q in seqs])
+    k = 0
+    while k < n and all(q[k] == first[k] for q in seqs):
+        k += 1
+    return k
+
+
+def prefix_cache(model, prefix: list[int], rows: int):
+    """A key/value cache holding `prefix` for `rows` rows, or None where this model's cache is not a plain
+    full-attention one (sliding-window, hybrid or recurrent layers; prompt-learning adapters), whose rows could
+    not take padding after a shared prefix or be dropped one by one."""
+    import torch
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    core = _core(model)
+    peft_cfg = getattr(model, "peft_config", None)
+    if getattr(core.config, "is_encoder_decoder", False) or (peft_cfg and any(getattr(c, "is_prompt_learning", False) for c in peft_cfg.values())):
+        return None
+    cache = DynamicCache(config=core.config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    if prefix:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return None
+        cache.batch_repeat_interleave(rows)
+    return cache
+
+
+def greedy_rows(model, ids: list[list[int]], limits: list[int], eos: list[int], pad: int, keep_logits: list[bool]):
+    """Greedy decoding of one batch: [(tokens, end id or None, step logits or None)] per row, each row up to its
+    own limit, or None where `prefix_cache` declines the model.
+
+    Same answers as `model.generate(do_sample=False)` with left padding, for less work: the rows' shared prefix
+    is computed once (padding goes between it and each row's own tokens; masks and position ids keep every
+    token where it would be), the prompt pass computes logits for the last position only, and a row that
+    stopped leaves the batch instead of decoding padding to the end.
     """
     import torch
 
-    eos = stop_ids(tokenizer, model)
-    pad = pad_id(tokenizer, eos)
-    order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
-    out: list[tuple[str, list[int], int | None] | None] = [None] * len(ids)
-    for s in range(0, len(order), max(1, batch_size)):
-        chunk = order[s:s + max(1, batch_size)]
-        width = max(len(ids[i]) for i in chunk)
-        x = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk], dtype=torch.long, device=model.device)
-        att = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk], dtype=torch.long, device=model.device)
-        with torch.inference_mode():
-            gen = model.generate(input_ids=x, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                 eos_token_id=eos or None, pad_token_id=pad, output_logits=on_batch is not None,
-                                 return_dict_in_generate=True)
-        for row, i in enumerate(chunk):
-            new = gen.sequences[row, width:].tolist()
-            cut = next((k for k, t in enumerate(new) if t in eos), None)
-            toks = new if cut is None else new[:cut]
-            out[i] = (tokenizer.decode(toks, skip_special_tokens=True), toks, None if cut is None else new[cut])
-        if on_batch is not None:
-            on_batch(chunk, torch.stack(gen.logits, dim=1))
-    return out  # type: ignore[return-value]
+    dev = model.device
+    p = shared_prefix(ids, min(len(q) for q in ids) - 1)  # every row keeps a token of its own for the prompt pass
+    p = p if p >= MIN_SHARED_PREFIX else 0
+    cache = prefix_cache(model, ids[0][:p], len(ids))
+    if cache is None:
+        return None
+    kw = {_cache_kwarg(model): cache, "use_cache": True}
+    rest = [q[p:] for q in ids]
+    width = max(len(r) for r in rest)
+    x = torch.tensor([[pad] * (width - len(r)) + r for r in rest], dtype=torch.long, device=dev)
+    mask = torch.tensor([[1] * p + [0] * (width - len(r)) + [1] * len(r) for r in rest], dtype=torch.long, device=dev)
+    pos = torch.tensor([[0] * (width - len(r)) + list(range(p, p + len(r))) for r in rest], dtype=torch.long, device=dev)
+    toks: list[list[int]] = [[] for _ in ids]
+    ends: list[int | None] = [None] * len(ids)
+    steps: list[list] = [[] for _ in ids]
+    eos_set = set(eos)
+    alive = [r for r in range(len(ids)) if limits[r] > 0]
+    with torch.inference_mode():
+        logits = model(input_ids=x, attention_mask=mask, position_ids=pos, logits_to_keep=1, **kw).logits[:, -1, :]
+        last = pos[:, -1]
+        if len(alive) < len(ids):
+            keep = torch.tensor(alive, dtype=torch.long, device=dev)
+            cache.batch_select_indices(keep)
+            logits, mask, last = logits[keep], mask[keep], last[keep]
+        while alive:
+            nxt = logits.argmax(-1)
+            wanted = [j for j, r in enumerate(alive) if keep_logits[r]]
+            if wanted:  # a copy of the wanted rows: the step's whole logits tensor is not held on to
+                for r, row in zip((alive[j] for j in wanted), logits[wanted]):
+                    steps[r].append(row)
+            stay = []
+            for j, (r, t) in enumerate(zip(alive, nxt.tolist())):
+                if t in eos_set:
+                    ends[r] = t
+                else:
+                    toks[r].append(t)
+                    if len(toks[r]) < limits[r]:
+                        stay.append(j)
+            if not stay:
+                break
+            if len(stay) < len(alive):
+                keep = torch.tensor(stay, dtype=torch.long, device=dev)
+                cache.batch_select_indices(keep)
+                alive = [alive[j] for j in stay]
+                nxt, mask, last = nxt[keep], mask[keep], last[keep]
+            last = last + 1
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None], **kw).logits[:, -1, :]
+    return [(toks[i], ends[i], torch.stack(steps[i]) if keep_logits[i] and steps[i] else None) for i in range(len(ids))]
 
 
 def generate_batch(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_size: int = DEFAULT_BATCH) -> list[tuple[str, list[int]]]:
@@ -179,6 +326,25 @@ def _right_padded(seqs: list[list[int]], pad: int, device):
     return x, att
 
 
+def logits_at(model, rows: list[list[int]], pad: int, lo: int, hi: int):
+    """Logits of right-padded `rows` at positions lo..hi-1 (position j predicts token j + 1).
+
+    The rows' shared prefix, up to `lo`, goes through the model once for all rows, where the model's cache
+    allows (see prefix_cache): on an eval set of chat rows that is most of each row's prompt.
+    """
+    import torch
+
+    p = shared_prefix(rows, lo)
+    cache = prefix_cache(model, rows[0][:p], len(rows)) if p >= MIN_SHARED_PREFIX else None
+    p = p if cache is not None else 0
+    x, att = _right_padded([q[p:] for q in rows], pad, model.device)
+    kw = {_cache_kwarg(model): cache, "use_cache": True} if cache is not None else {"use_cache": False}
+    if p:
+        att = torch.cat([att.new_ones(att.shape[0], p), att], dim=1)
+    with torch.inference_mode():
+        return model(input_ids=x, attention_mask=att, logits_to_keep=torch.arange(lo - p, hi - p, device=x.device), **kw).logits
+
+
 def vocab_size(model) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
@@ -212,17 +378,17 @@ def nll_sums(model, seqs: list[list[int]], starts: list[int], pad: int) -> list[
 
     out: list[tuple[float, int]] = [(0.0, 0)] * len(seqs)
     for chunk in batches([len(q) for q in seqs], vocab_size(model)):
-        x, att = _right_padded([seqs[i] for i in chunk], pad, model.device)
         # Logits only where a scored token is predicted (position j predicts token j + 1): the output layer
         # and the loss skip the prompts, which are most of an eval row's tokens.
         lo0 = min(max(starts[i], 1) - 1 for i in chunk)
         hi0 = max(len(seqs[i]) - 1 for i in chunk)
         if hi0 <= lo0:
             continue
+        x, _ = _right_padded([seqs[i] for i in chunk], pad, "cpu")
         with torch.inference_mode():
-            logits = model(input_ids=x, attention_mask=att, logits_to_keep=torch.arange(lo0, hi0, device=x.device)).logits.float()
+            logits = logits_at(model, [seqs[i] for i in chunk], pad, lo0, hi0).float()
             # Flat (rows*positions, vocab): cross_entropy over a transposed (rows, vocab, positions) view is ~4x slower.
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, lo0 + 1:hi0 + 1].reshape(-1),
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, lo0 + 1:hi0 + 1].reshape(-1).to(logits.device),
                                                     reduction="none").view(len(chunk), hi0 - lo0)
         for row, i in enumerate(chunk):
             lo, hi = max(starts[i], 1) - 1, len(seqs[i]) - 1
@@ -315,66 +481,83 @@ def read_rows(path: str, limit: int) -> list[dict]:
 # ---------------------------------------------------------------- drift: KL and perplexity
 
 
-def drift_kl(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_size: int) -> dict[str, Any]:
-    """Mean per-token KL(base || tuned) over the base model's own greedy continuations of the prompts.
+class StepStore:
+    """The base model's step logits on the drift prompts, kept from the base pass for the fine-tuned pass: in
+    memory up to `budget` bytes, the rest in files under a temporary folder (a big drift set on a big
+    vocabulary does not have to fit in memory)."""
 
-    The base model (adapter disabled) continues each prompt greedily, and its next-token distributions come
-    with the generation; the fine-tuned model then reads prompt + continuation once. At every position that
-    predicts a continuation token (the end-of-turn token included, when the base stopped on it)
-    KL(p_base || p_tuned) is summed over the vocabulary; the mean is over all those positions. Where the
-    fine-tuned model's argmax differs from the base model's at some position, its own greedy answer would
-    part from the base answer there: that is the prompt's `first_divergence`, and `changed_share` counts
-    such prompts. Prompts go in groups whose step logits fit half the logits budget.
+    def __init__(self, budget: int = 2 * LOGITS_BUDGET):
+        self.budget, self.used = budget, 0
+        self.mem: dict[int, Any] = {}
+        self.files: dict[int, str] = {}
+        self._dir = None
+
+    def put(self, key: int, steps) -> None:
+        import torch
+
+        size = steps.numel() * steps.element_size()
+        if self.used + size <= self.budget:
+            self.mem[key] = steps
+            self.used += size
+            return
+        if self._dir is None:
+            import tempfile
+
+            self._dir = tempfile.TemporaryDirectory(prefix="ftmcp-drift-")
+        self.files[key] = os.path.join(self._dir.name, f"{key}.pt")
+        torch.save(steps.cpu(), self.files[key])
+
+    def get(self, key: int):
+        import torch
+
+        return self.mem[key] if key in self.mem else torch.load(self.files[key])
+
+    def close(self) -> None:
+        self.mem.clear()
+        if self._dir is not None:
+            self._dir.cleanup()
+
+
+def drift_kl(model, tokenizer, ids: list[list[int]], gens: list[tuple[str, list[int], int | None]], base_steps: StepStore,
+             prompts: list[Any]) -> dict[str, Any]:
+    """Mean per-token KL(base || tuned) over the base model's own greedy continuations of the general prompts.
+
+    The base model (adapter disabled) continued each prompt greedily in the base pass (`gens`), and its
+    next-token distributions came with the generation (`base_steps`); the fine-tuned model now reads prompt +
+    continuation once. At every position that predicts a continuation token (the end-of-turn token included,
+    when the base stopped on it) KL(p_base || p_tuned) is summed over the vocabulary; the mean is over all those
+    positions. Where the fine-tuned model's argmax differs from the base model's at some position, its own
+    greedy answer would part from the base answer there: that is the prompt's `first_divergence`, and
+    `changed_share` counts such prompts.
     """
     import torch
 
     pad = pad_id(tokenizer, stop_ids(tokenizer, model))
-    vocab = vocab_size(model)
-    all_ids = [prompt_ids(tokenizer, p) for p in prompts]
-    group = max(1, min(batch_size, (LOGITS_BUDGET // 2) // max(1, max_new_tokens * vocab * 4)))
     items: list[dict[str, Any]] = [{"prompt": p} for p in prompts]
     kl_sum, kl_n = 0.0, 0
-    spent = {"generate": 0.0, "pass": 0.0}
-    for g0 in range(0, len(prompts), group):
-        idx = list(range(g0, min(g0 + group, len(prompts))))
-        base_steps: dict[int, Any] = {}
-
-        def keep(rows, step_logits, idx=idx, base_steps=base_steps):
-            for row, j in enumerate(rows):
-                base_steps[idx[j]] = step_logits[row]
-
-        t0 = time.perf_counter()
-        with model.disable_adapter():
-            gens = generate_ids(model, tokenizer, [all_ids[i] for i in idx], max_new_tokens, len(idx), on_batch=keep)
-        t1 = time.perf_counter()
-        spent["generate"] += t1 - t0
-        seqs, starts = [], []
-        for i, (text, toks, end) in zip(idx, gens):
-            cont = toks + ([end] if end is not None else [])
-            seqs.append(all_ids[i] + cont)
-            starts.append(len(all_ids[i]))
-            items[i].update(base_output=text, tokens=len(cont), kl=None, first_divergence=None)
-        for chunk in batches([len(q) for q in seqs], vocab, LOGITS_BUDGET // 2):
-            chunk = [c for c in chunk if len(seqs[c]) > starts[c]]
-            if not chunk:
-                continue
-            x, att = _right_padded([seqs[c] for c in chunk], pad, model.device)
-            lo0 = min(starts[c] - 1 for c in chunk)  # logits at j predict token j + 1: only the continuations' are needed
-            with torch.inference_mode():
-                logits = model(input_ids=x, attention_mask=att,
-                               logits_to_keep=torch.arange(lo0, max(len(seqs[c]) for c in chunk) - 1, device=x.device)).logits
+    seqs, starts = [], []
+    for i, (text, toks, end) in enumerate(gens):
+        cont = toks + ([end] if end is not None else [])
+        seqs.append(ids[i] + cont)
+        starts.append(len(ids[i]))
+        items[i].update(base_output=text, tokens=len(cont), kl=None, first_divergence=None)
+    for chunk in batches([len(q) for q in seqs], vocab_size(model), LOGITS_BUDGET // 2):
+        chunk = [c for c in chunk if len(seqs[c]) > starts[c]]
+        if not chunk:
+            continue
+        lo0 = min(starts[c] - 1 for c in chunk)  # logits at j predict token j + 1: only the continuations' are needed
+        logits = logits_at(model, [seqs[c] for c in chunk], pad, lo0, max(len(seqs[c]) for c in chunk) - 1)
+        with torch.inference_mode():
             for row, c in enumerate(chunk):
-                i = idx[c]
                 n = len(seqs[c]) - starts[c]
                 t = torch.log_softmax(logits[row, starts[c] - 1 - lo0:starts[c] - 1 - lo0 + n].float(), dim=-1)
-                b = torch.log_softmax(base_steps[i][:n].float(), dim=-1)
+                b = torch.log_softmax(base_steps.get(c)[:n].float().to(t.device), dim=-1)
                 kl = (b.exp() * (b - t)).sum(-1).clamp_min(0.0)  # clamp: float rounding just below 0
                 diverge = (t.argmax(-1) != b.argmax(-1)).nonzero()
-                items[i].update(kl=float(kl.mean()), first_divergence=int(diverge[0, 0]) if len(diverge) else None)
+                items[c].update(kl=float(kl.mean()), first_divergence=int(diverge[0, 0]) if len(diverge) else None)
                 kl_sum += float(kl.sum())
                 kl_n += int(kl.numel())
-            del logits
-        spent["pass"] += time.perf_counter() - t1
+        del logits
     for it in items:
         it["changed"] = it["first_divergence"] is not None
     return {
@@ -382,32 +565,33 @@ def drift_kl(model, tokenizer, prompts: list[Any], max_new_tokens: int, batch_si
         "kl_tokens": kl_n,
         "changed_share": sum(1 for it in items if it["changed"]) / len(items) if items else None,
         "items": items,
-        "seconds": spent,
     }
 
 
-def perplexity_pair(model, tokenizer, text: str, window: int, max_tokens: int) -> dict[str, Any]:
-    """Perplexity of base and tuned on a text: exp(mean NLL) over non-overlapping windows of `window` tokens.
+def text_windows(tokenizer, text: str, window: int, max_tokens: int) -> list[list[int]]:
+    """Non-overlapping windows of `window` tokens over the first `max_tokens` tokens of a text, for perplexity.
 
-    Non-overlapping windows give each window's first tokens little context, so the figure is higher
-    than a sliding-window one; both models are measured the same way, and the ratio is what is judged.
+    Non-overlapping windows give each window's first tokens little context, so the figure is higher than a
+    sliding-window one; both models are measured the same way, and the ratio is what is judged.
     """
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
-    seqs = [ids[s:s + window] for s in range(0, len(ids), window)]
-    seqs = [q for q in seqs if len(q) >= 2]
-    if not seqs:
-        return {"base": None, "tuned": None, "ratio": None, "tokens": 0}
-    pad = pad_id(tokenizer, stop_ids(tokenizer, model))
-    with model.disable_adapter():
-        base = nll_sums(model, seqs, [1] * len(seqs), pad)
-    tuned = nll_sums(model, seqs, [1] * len(seqs), pad)
-    count = sum(c for _, c in base)
+    return [q for q in (ids[s:s + window] for s in range(0, len(ids), window)) if len(q) >= 2]
 
-    def ppl(sums):
-        return math.exp(sum(s for s, _ in sums) / count)
 
-    pb, pt = ppl(base), ppl(tuned)
-    return {"base": pb, "tuned": pt, "ratio": pt / pb, "tokens": count}
+def perplexity(sums: list[tuple[float, int]]) -> float | None:
+    count = sum(c for _, c in sums)
+    return math.exp(sum(s for s, _ in sums) / count) if count else None
+
+
+def merge_adapter(model) -> str | None:
+    """Folds the adapter into the weights for the fine-tuned passes, which run after every base pass: the same
+    model without the adapter's extra work in every layer at every decoding step. None when merged, else why not
+    (the passes then run unmerged, as PEFT applies the adapter)."""
+    try:
+        model.merge_adapter()
+    except (ValueError, TypeError, NotImplementedError, AttributeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 # ---------------------------------------------------------------- the job
@@ -430,7 +614,7 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
     def lap(name: str) -> None:
         nonlocal clock
         now = time.perf_counter()
-        timings[name] = round(now - clock, 3)
+        timings[name] = round(timings.get(name, 0.0) + now - clock, 3)
         clock = now
 
     specs = [scoring.parse_spec(it["scorer"], f"prompts[{i}].scorer") for i, it in enumerate(prompts)]
@@ -446,26 +630,53 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
         lens = [len(tok(a, add_special_tokens=False)["input_ids"]) for p in prompts for a in scoring.accepted(p["expected"])]
         lens += [len(tok(g["output"], add_special_tokens=False)["input_ids"]) for g in goldens if g.get("output")]
         mnt = (max(lens) if lens else 24) + 8
-    dmnt = int(params.get("drift_max_new_tokens") or 32)
+    mnt, dmnt = int(mnt), int(params.get("drift_max_new_tokens") or 32)
+
+    task_ids = [prompt_ids(tok, it["prompt"]) for it in prompts]
+    drift_ids = [prompt_ids(tok, d["prompt"]) for d in drift]
+    windows = text_windows(tok, params["general_text"], int(params.get("perplexity_window") or 512),
+                           int(params.get("perplexity_max_tokens") or 4096)) if params.get("general_text") else []
+    limit = int(params.get("max_loss_rows") or 256)
+    rows = read_rows(params["loss_file"], limit) if params.get("loss_file") else (params.get("loss_rows") or [])[:limit]
+    pairs = [p for p in (loss_pair(r) for r in rows) if p is not None]
+    pad = pad_id(tok, stop_ids(tok, model))
     total = 6
 
-    emit_progress(1, total, f"task prompts: {len(prompts)} (fine-tuned)")
-    outs = generate_batch(model, tok, [it["prompt"] for it in prompts], mnt, bs)
-    lap("generate_tuned")
-    emit_progress(2, total, f"task prompts: {len(prompts)} (base)")
-    with model.disable_adapter():
-        base_outs = generate_batch(model, tok, [it["prompt"] for it in prompts], mnt, bs)
-    lap("generate_base")
+    # Every base pass first, with the adapter disabled; then the adapter is merged for the fine-tuned passes (no
+    # base pass follows, so the base weights are never un-merged with rounding). The base model answers the task
+    # prompts and continues the general prompts in one set of batches (fewer decoding steps), keeping its step
+    # logits on the general prompts for the KL.
+    steps = StepStore()
 
+    def keep(rows, step_logits):
+        for j, t in zip(rows, step_logits):
+            if t is not None:
+                steps.put(j - len(task_ids), t)
+
+    emit_progress(1, total, f"base model: {len(prompts)} task prompts, {len(drift)} general prompts")
+    with model.disable_adapter():
+        gens = generate_ids(model, tok, task_ids + drift_ids, [mnt] * len(task_ids) + [dmnt] * len(drift_ids), bs,
+                            on_batch=keep, want_logits=[False] * len(task_ids) + [True] * len(drift_ids))
+        lap("generate_base")
+        emit_progress(2, total, f"base model: perplexity, eval loss on {len(pairs)} rows")
+        ppl_base = nll_sums(model, windows, [1] * len(windows), pad) if windows else []
+        lap("perplexity")
+        base_loss = mean_loss(model, tok, pairs, max_length) if pairs else None
+        lap("eval_loss")
+    base_outs, drift_gens = gens[:len(task_ids)], gens[len(task_ids):]
+    unmerged = merge_adapter(model)
+    lap("merge")
+
+    emit_progress(3, total, f"fine-tuned model: {len(prompts)} task prompts, {len(goldens)} goldens")
+    outs = generate_ids(model, tok, task_ids, mnt, bs)
+    lap("generate_tuned")
     items = []
-    for it, spec, (out, _), (base_out, _) in zip(prompts, specs, outs, base_outs):
+    for it, spec, (out, _, _), (base_out, _, _) in zip(prompts, specs, outs, base_outs):
         s, b = scoring.score(spec, out, it["expected"]), scoring.score(spec, base_out, it["expected"])
         change = "improved" if s.correct and not b.correct else "regressed" if b.correct and not s.correct else "unchanged"
         items.append({"prompt": it["prompt"], "expected": it["expected"], "scorer": spec.to_json(), "scorer_label": spec.label(),
                       "output": out, "base_output": base_out, "correct": s.correct, "base_correct": b.correct,
                       "score": s.value, "base_score": b.value, "answer": s.answer, "base_answer": b.answer, "change": change})
-
-    emit_progress(3, total, f"goldens: {len(goldens)}")
     gold = []
     for g, (out, toks) in zip(goldens, generate_golden_batch(model, tok, [g["prompt"] for g in goldens], mnt)):
         rec = {"prompt": g["prompt"], "output": out, "tokens": toks}
@@ -473,28 +684,20 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
             rec["golden"] = g["output"]
             rec["match"] = scoring.collapse(out) == scoring.collapse(g["output"])
         gold.append(rec)
-
     lap("goldens")
-    emit_progress(4, total, f"drift: KL on {len(drift)} general prompts, perplexity")
-    kl = drift_kl(model, tok, [d["prompt"] for d in drift], dmnt, bs) if drift else {"kl": None, "kl_tokens": 0, "changed_share": None, "items": []}
-    lap("drift_kl")
-    if kl.get("seconds"):
-        timings["drift_generate_base"] = round(kl["seconds"]["generate"], 3)
-        timings["drift_kl_pass"] = round(kl["seconds"]["pass"], 3)
-        timings.pop("drift_kl")
-    ppl = {"base": None, "tuned": None, "ratio": None, "tokens": 0}
-    if params.get("general_text"):
-        ppl = perplexity_pair(model, tok, params["general_text"], int(params.get("perplexity_window") or 512),
-                              int(params.get("perplexity_max_tokens") or 4096))
 
+    emit_progress(4, total, f"fine-tuned model: KL on {len(drift)} general prompts, perplexity")
+    kl = drift_kl(model, tok, drift_ids, drift_gens, steps, [d["prompt"] for d in drift]) if drift else \
+        {"kl": None, "kl_tokens": 0, "changed_share": None, "items": []}
+    steps.close()
+    lap("drift_kl_pass")
+    ppl = {"base": None, "tuned": None, "ratio": None, "tokens": 0}
+    if windows:
+        pb, pt = perplexity(ppl_base), perplexity(nll_sums(model, windows, [1] * len(windows), pad))
+        ppl = {"base": pb, "tuned": pt, "ratio": pt / pb, "tokens": sum(c for _, c in ppl_base)}
     lap("perplexity")
-    limit = int(params.get("max_loss_rows") or 256)
-    rows = read_rows(params["loss_file"], limit) if params.get("loss_file") else (params.get("loss_rows") or [])[:limit]
-    pairs = [p for p in (loss_pair(r) for r in rows) if p is not None]
-    emit_progress(5, total, f"eval loss on {len(pairs)} rows")
+    emit_progress(5, total, f"fine-tuned model: eval loss on {len(pairs)} rows")
     eval_loss = mean_loss(model, tok, pairs, max_length) if pairs else None
-    with model.disable_adapter():
-        base_loss = mean_loss(model, tok, pairs, max_length) if pairs else None
     lap("eval_loss")
     emit_progress(total, total, "done")
 
@@ -522,6 +725,8 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
         "max_new_tokens": mnt,
         "drift_max_new_tokens": dmnt,
         "batch_size": bs,
+        "adapter_merged": unmerged is None,
+        **({"unmerged_because": unmerged} if unmerged else {}),
         "timings": timings,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
     }

@@ -521,6 +521,9 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         "loss_rows": res.get("loss_rows"),
         "side_by_side_report": str(side_path),
         "versions": res.get("versions"),
+        # the fine-tuned passes ran on base + adapter merged (the same model, one matmul per layer), or why not
+        "adapter_merged": res.get("adapter_merged"),
+        **({"unmerged_because": res["unmerged_because"]} if res.get("unmerged_because") else {}),
         "timings_s": res.get("timings"),
     }
     report_path = r / EVAL_REPORT
