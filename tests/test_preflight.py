@@ -223,6 +223,40 @@ def test_time_estimate_is_steps_times_measured_seconds(skills, tmp_path):
     assert r["time_estimate"]["steps"] == 10 and next(c for c in r["checks"] if c.id == "T1").status == "pass"
 
 
+def test_time_is_read_at_the_average_padded_length(skills, tmp_path):
+    """A batch pads to its own longest row: the micro-step is read at the timed average shape, not the longest;
+    another shape (generate_config's batch) is read on the line through the two timed shapes."""
+    probe = {**PROBE, "expected": {"batch_shape": [2, 120], "s_per_micro_step": 1.5}}
+    o = {**obs("cpu-this-machine.json"), "model": tiny_model(tmp_path), "step_probe": probe}
+    t = P.evaluate(o, {**TINY_BRIEF, "time_budget_s": None}, skills, {**SHAPE, "time_tokens_per_sequence": 120})["time_estimate"]
+    assert (t["tokens_per_sequence"], t["s_per_micro_step"], t["s_per_step"]) == (120, 1.5, 6.0) and "timed at 2 x 120" in t["how"]
+    # 8 x 200 = 1600 row-tokens: on the line through (758, 3.5 s) and (240, 1.5 s)
+    s8, how = P.seconds_per_micro_step(probe, 8, 200)
+    assert abs(s8 - (1.5 + (1600 - 240) * 2.0 / 518)) < 1e-9 and "line through" in how
+    # one timed shape (a recorded observation from before): proportional to the tokens
+    assert P.seconds_per_micro_step(PROBE, 2, 190) == (3.5 * 380 / 758, "scaled by tokens from the timed 2 x 379")
+
+
+def test_average_padded_length_from_the_length_quantiles():
+    """E[longest of b random rows] from the quantiles prepare_dataset records, against drawing batches from the rows."""
+    import random
+
+    from finetune_mcp.jobs.prepare_data import _stats
+    from finetune_mcp.phases.config import expected_padded_tokens
+
+    rng = random.Random(7)
+    # a chat set's shape: most rows short, a long tail (SmolLM2 identity rows: p50 51, p90 100, max 195)
+    lengths = [int(rng.lognormvariate(4.0, 0.45)) + 30 for _ in range(3000)]
+    meta = {"tokens": {"tokens_per_sequence": _stats(lengths)}}
+    for b in (1, 2, 4, 8, 16):
+        drawn = sum(max(rng.choices(lengths, k=b)) for _ in range(20000)) / 20000
+        est = expected_padded_tokens(meta, 4096, False, b)
+        assert abs(est - drawn) <= 0.1 * drawn, (b, est, drawn)
+    assert expected_padded_tokens(meta, 4096, True, 4) == 4096  # packed rows are full
+    assert expected_padded_tokens(meta, 64, False, 4) <= 64  # capped at max_seq_length
+    assert expected_padded_tokens({}, 512, False, 4) == 512  # no prepared data
+
+
 def test_memory_estimate_uses_the_shape(skills, tmp_path):
     """The shape's micro batch and the data's longest sequence, not micro batch 1 at max_seq_length."""
     o = {**obs("cpu-this-machine.json"), "model": tiny_model(tmp_path)}
@@ -510,3 +544,16 @@ def test_a_brief_without_max_seq_length_is_estimated_at_the_recipe_default(skill
     est = run(obs("h100.json"), llama_8b(), skills, brief)["memory_estimate"]
     stated = run(obs("h100.json"), llama_8b(), skills, {**brief, "max_seq_length": default})["memory_estimate"]
     assert est and est["max_seq_length"] == default and est == stated
+
+
+def test_step_probe_times_the_average_padded_shape_too(tiny_model_dir):
+    """The real probe job: the longest shape (for the peak) and, when clearly shorter, the average padded one."""
+    from finetune_mcp.worker import run_job
+
+    params = {"model_path": str(tiny_model_dir), "steps": 3, "micro_batch": 2, "sequences_per_example": 1, "tokens_per_sequence": 256,
+              "lora_r": 8, "lora_targets": ["q", "v"]}
+    r = run_job("step_probe", {**params, "time_tokens_per_sequence": 64}, timeout=600)
+    assert r["batch_shape"] == [2, 256] and r["expected"]["batch_shape"] == [2, 64]
+    assert r["s_per_micro_step"] > 0 and r["expected"]["s_per_micro_step"] > 0
+    near = run_job("step_probe", {**params, "time_tokens_per_sequence": 240}, timeout=600)
+    assert near["expected"] is None  # within a tenth of the longest: one shape is timed

@@ -92,6 +92,16 @@ def test_smollm2_prepare_preflight_train(smol_root):
 
     # Preflight timed real steps and estimated at the shape the config then used.
     assert pf["time_estimate"]["measured"] and pf["time_estimate"]["s_per_micro_step"] > 0
+    # ...the time at the average padded length (a batch pads to its own longest row), timed as a second shape,
+    # and generate_config restated it for the run that starts (max_steps overridden after preflight).
+    report = json.loads((smol_root / "experiments" / "trainings" / prep["experiment"] / "env-report.json").read_text())
+    probe, t = report["observed"]["step_probe"], pf["time_estimate"]
+    assert t["tokens_per_sequence"] < pf["memory_estimate"]["tokens_per_sequence"] == probe["batch_shape"][1]
+    # These chats are of even length (longest 54 tokens, average padded ~51): within a tenth of the longest the probe
+    # times one shape and the estimate scales it (the demo's long chats take the second, timed shape).
+    assert probe["expected"] is None and "scaled by tokens" in t["how"]
+    assert abs(t["s_per_micro_step"] - probe["s_per_micro_step"] * t["tokens_per_sequence"] / probe["batch_shape"][1]) < 1e-3
+    assert cfg["time_estimate"]["measured"] and cfg["time_estimate"]["steps"] == STEPS
     assert pf["memory_estimate"]["micro_batch_size"] == 2 and pf["memory_estimate"]["tokens_per_sequence"] < 256
     assert cfg["masking"] == "derived-spans"
 

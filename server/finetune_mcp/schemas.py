@@ -195,6 +195,8 @@ class GenerateConfigResult(Result):
     commit: str
     warnings: list[str] = Field(default_factory=list, description="values outside settled ranges, budget misses, forced backends")
     memory_estimate: dict[str, Any] = Field(default_factory=dict, description="the estimate for the resolved values against the brief's budget")
+    time_estimate: dict[str, Any] = Field(default_factory=dict, description="the preflight's expected wall time restated for the resolved "
+                                          "batch, accumulation, length and steps (from the same timed training steps)")
     masking: str | None = Field(default=None, description="conversations: the assistant-only masking way train.py uses (config data.masking)")
 
     def text(self) -> str:

@@ -63,26 +63,39 @@ def probe(P: dict[str, Any]) -> dict[str, Any]:
     threading.Thread(target=sample, daemon=True).start()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(steps):
-        x = torch.randint(0, vocab, (b, s), generator=gen)
-        mask = torch.ones_like(x)
-        mask[0, -1] = 0  # a padded position, so attention takes the same kernel as a padded batch does
-        if cuda:
-            x, mask = x.cuda(), mask.cuda()
-        t0 = time.perf_counter()
-        if P.get("reference_forward"):
-            with torch.no_grad(), model.disable_adapter():
-                model(input_ids=x, attention_mask=mask)
-        out = model(input_ids=x, attention_mask=mask, labels=x)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        del out
-        emit_progress(i + 1, steps + 1, f"step {i + 1}/{steps}: {times[-1]:.2f} s")
+
+    def timed(n: int, rows: int, length: int, tag: str) -> list[float]:
+        times = []
+        for i in range(n):
+            x = torch.randint(0, vocab, (rows, length), generator=gen)
+            mask = torch.ones_like(x)
+            mask[0, -1] = 0  # a padded position, so attention takes the same kernel as a padded batch does
+            if cuda:
+                x, mask = x.cuda(), mask.cuda()
+            t0 = time.perf_counter()
+            if P.get("reference_forward"):
+                with torch.no_grad(), model.disable_adapter():
+                    model(input_ids=x, attention_mask=mask)
+            out = model(input_ids=x, attention_mask=mask, labels=x)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            del out
+            emit_progress(len(times), n, f"{tag} step {i + 1}/{n}: {times[-1]:.2f} s")
+        return times
+
+    times = timed(steps, b, s, f"{b} x {s} tokens:")
+    # The longest shape gives the peak; an average step pads only to the longest of its own rows. Where that is
+    # clearly shorter, time it too: seconds per micro-step are not proportional to tokens (the optimizer step and
+    # per-layer overheads do not shrink), so the run's time is read at a measured shape, not scaled.
+    t_len = int(P.get("time_tokens_per_sequence") or 0)
+    expected = None
+    if 0 < t_len < 0.9 * s:
+        short = timed(max(2, steps - 1), b, t_len, f"{b} x {t_len} tokens:")
+        expected = {"batch_shape": [b, t_len], "s_per_micro_step": round(statistics.median(short), 4)}
     stop.set()
     steady = times[1:]
     return {
@@ -93,9 +106,10 @@ def probe(P: dict[str, Any]) -> dict[str, Any]:
         "steps": steps,
         "first_step_s": round(times[0], 4),
         "s_per_micro_step": round(statistics.median(steady), 4),
+        "expected": expected,
         "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3) if cuda else round(peak[0], 3),
         "peak_source": "torch.cuda.max_memory_allocated" if cuda else "process resident memory",
-        "params": {k: P.get(k) for k in ("micro_batch", "sequences_per_example", "tokens_per_sequence", "lora_r",
+        "params": {k: P.get(k) for k in ("micro_batch", "sequences_per_example", "tokens_per_sequence", "time_tokens_per_sequence", "lora_r",
                                          "gradient_checkpointing", "reference_forward")},
     }
 

@@ -212,6 +212,30 @@ def effective_tokens(meta: dict, max_seq_length: int, packing: bool) -> int:
     return int(min(int(longest), int(max_seq_length)))
 
 
+def expected_padded_tokens(meta: dict, max_seq_length: int, packing: bool, micro_batch: int) -> int:
+    """Tokens per sequence an average training step pads to, for the time estimate (memory takes the longest).
+
+    An unpacked batch pads to its longest row, so with rows drawn at random this is E[max of micro_batch row
+    lengths]. It comes from the dataset's length quantiles, the quantile function taken as linear between min,
+    p50, p90, p95, p99 and max, each capped at max_seq_length: E[max of b] = integral of Q(u) d(u^b) over [0, 1].
+    Packed rows are full; without prepared data, max_seq_length.
+    """
+    tps = (meta.get("tokens") or {}).get("tokens_per_sequence") or {}
+    if packing or not tps.get("max"):
+        return int(max_seq_length)
+    pts = [(u, min(float(tps.get(k) or tps["max"]), float(max_seq_length)))
+           for u, k in ((0.0, "min"), (0.5, "p50"), (0.9, "p90"), (0.95, "p95"), (0.99, "p99"), (1.0, "max"))]
+
+    def q(u: float) -> float:
+        for (u0, q0), (u1, q1) in zip(pts, pts[1:]):
+            if u <= u1:
+                return q0 + (q1 - q0) * (u - u0) / (u1 - u0)
+        return pts[-1][1]
+
+    b, n = max(1, int(micro_batch)), 2000
+    return max(1, round(sum(q((k + 0.5) / n) * (((k + 1) / n) ** b - (k / n) ** b) for k in range(n))))
+
+
 def _generation_markers(model_path: Path | None, meta: dict) -> bool | None:
     """Whether the chat template marks assistant turns for assistant_only_loss (the data phase records it)."""
     tpl = (meta.get("chat_template") or {}) if isinstance(meta.get("chat_template"), dict) else {}
@@ -529,6 +553,30 @@ def _run_yaml(header: str, top: dict, hparams: dict, sources: dict, rest: dict) 
 # ================================================================ the tool
 
 
+def _time_for(report: dict, values: dict, meta: dict, brief, method: str, skills) -> dict:
+    """The preflight's expected wall time restated for the resolved values: this run's batch, accumulation, length and
+    steps, read from the same timed training steps (overrides such as max_steps or the batch come after preflight)."""
+    from finetune_mcp.phases.preflight import time_estimate
+
+    seq = int(values.get("max_seq_length") or values.get("max_length") or brief.max_seq_length or 2048)
+    packing = bool(values.get("packing"))
+    micro = int(values.get("per_device_train_batch_size") or 1)
+    counts = meta.get("counts") or {}
+    packed = (meta.get("packing") or {}).get("rows") if packing else None
+    methods = skills.table("spark-preflight", "memory").methods
+    shape = {
+        "micro_batch": micro,
+        "grad_accum": int(values.get("gradient_accumulation_steps") or 1),
+        "epochs": float(values.get("num_train_epochs") or 1),
+        "max_steps": int(values["max_steps"]) if values.get("max_steps") is not None else -1,
+        "tokens_per_sequence": effective_tokens(meta, seq, packing),
+        "time_tokens_per_sequence": expected_padded_tokens(meta, seq, packing, micro),
+        "sequences_per_example": methods[method].sequences_per_example if method in methods else 1,
+        "train_rows": int(packed or counts.get("train") or 0) or None,
+    }
+    return time_estimate((report.get("observed") or {}).get("step_probe"), shape, brief.time_budget_s)
+
+
 def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overrides: dict | None = None) -> S.GenerateConfigResult:
     validate_experiment(experiment)
     validate_tag(tag)
@@ -630,6 +678,9 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         warnings.append("load_in_4bit needs bitsandbytes, which the training environment cannot import")
     if report.get("verdict") == "blocked":
         warnings.append("the preflight verdict is blocked: launch_run will refuse until a new preflight clears it")
+    time_est = _time_for(report, vals.value, meta, brief, method, skills)
+    if time_est.get("within_budget") is False:
+        warnings.append(f"expected wall time ~{time_est['wall']} is over the brief's time budget ({time_est['budget_s']:g} s)")
 
     calls, call_origin = build_calls(skills, method, chosen, vals.value, recipe, platform)
     data = {
@@ -686,6 +737,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         "call_sources": call_origin,
         "overrides": overrides,
         "memory_estimate": mem,
+        "time_estimate": time_est,
         "warnings": warnings,
         "citations": citations,
     }
@@ -719,6 +771,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
                + (f", r {vals.value['lora_r']}" if "lora_r" in vals.value else "")
                + (f", batch {vals.value['per_device_train_batch_size']}x{vals.value.get('gradient_accumulation_steps', 1)}"
                   if "per_device_train_batch_size" in vals.value else "")
+               + (f"; expected wall time ~{time_est['wall']}" if time_est.get("wall") else "")
                + f"; {len(changed)} value(s) from brief/rules/budget/overrides; committed {commit_id[:12]}"
                + (f"; {len(warnings)} warning(s)" if warnings else ""))
     return S.GenerateConfigResult(
@@ -734,6 +787,7 @@ def generate_config(pc, experiment: str, tag: str, backend: str = "auto", overri
         commit=commit_id,
         warnings=warnings,
         memory_estimate=mem or {},
+        time_estimate=time_est,
         masking=(data.get("masking") or {}).get("method"),
     )
 

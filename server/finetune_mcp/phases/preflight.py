@@ -466,10 +466,37 @@ def _cpu_fit(check, method: str) -> Outcome:
     return Outcome("pass", f"method {method}", thr)
 
 
-def time_estimate(probe: Mapping[str, Any] | None, shape: Mapping[str, Any] | None, budget_s: float | None) -> dict[str, Any]:
-    """Expected wall time of the run: measured seconds per micro-step x micro-steps per optimizer step x steps.
+def seconds_per_micro_step(probe: Mapping[str, Any], rows: int, tokens: int) -> tuple[float, str]:
+    """Seconds per micro-step of `rows` sequences padded to `tokens`, from the step probe's timed shapes, and how.
 
-    Steps: max_steps when the recipe caps the run, else epochs x ceil(rows / (micro batch x accumulation)).
+    At a timed shape, its measured median. Otherwise a line a + c x (rows x tokens) through the two timed shapes
+    (the longest and the average padded length at the probe's batch): a step's time grows with the tokens it
+    holds, plus a part that does not (optimizer step, per-layer overheads). With one timed shape, proportional.
+    """
+    pts = [(probe["batch_shape"][0] * probe["batch_shape"][1], float(probe["s_per_micro_step"]), probe["batch_shape"])]
+    exp = probe.get("expected") or {}
+    if exp.get("s_per_micro_step"):
+        pts.append((exp["batch_shape"][0] * exp["batch_shape"][1], float(exp["s_per_micro_step"]), exp["batch_shape"]))
+    n = rows * tokens
+    for n0, t0, shape in pts:
+        if abs(n - n0) <= 0.02 * n0:
+            return t0, f"timed at {shape[0]} x {shape[1]} tokens"
+    if len(pts) == 2 and pts[0][0] != pts[1][0]:
+        (n0, t0, s0), (n1, t1, s1) = pts
+        c = (t0 - t1) / (n0 - n1)
+        if c > 0:
+            return max(t1 + c * (n - n1), 0.1 * min(t0, t1)), \
+                f"on the line through the timed {s0[0]} x {s0[1]} ({t0:.3g} s) and {s1[0]} x {s1[1]} ({t1:.3g} s) tokens"
+    n0, t0, shape = min(pts, key=lambda pt: abs(pt[0] - n))
+    return t0 * n / n0, f"scaled by tokens from the timed {shape[0]} x {shape[1]}"
+
+
+def time_estimate(probe: Mapping[str, Any] | None, shape: Mapping[str, Any] | None, budget_s: float | None) -> dict[str, Any]:
+    """Expected wall time of the run: seconds per micro-step x micro-steps per optimizer step x steps.
+
+    A micro-step is read at the average padded length (time_tokens_per_sequence: a batch pads to its longest
+    row, not to the data's longest), from the probe's timed shapes. Steps: max_steps when the recipe caps the
+    run, else epochs x ceil(rows / (micro batch x accumulation)).
     """
     if not probe or probe.get("error") or not shape:
         why = (probe or {}).get("error") or ("no training steps were measured" if shape else "no batch shape")
@@ -477,7 +504,9 @@ def time_estimate(probe: Mapping[str, Any] | None, shape: Mapping[str, Any] | No
     import math
 
     micro, accum = shape["micro_batch"], shape["grad_accum"]
-    s_step = probe["s_per_micro_step"] * accum
+    tokens = int(shape.get("time_tokens_per_sequence") or shape["tokens_per_sequence"])
+    s_micro, read = seconds_per_micro_step(probe, micro * int(shape.get("sequences_per_example") or 1), tokens)
+    s_step = s_micro * accum
     rows = shape.get("train_rows")
     if shape.get("max_steps", -1) and shape["max_steps"] > 0:
         steps, how = shape["max_steps"], f"max_steps {shape['max_steps']}"
@@ -492,19 +521,21 @@ def time_estimate(probe: Mapping[str, Any] | None, shape: Mapping[str, Any] | No
     return {
         "measured": True,
         "device": probe.get("device"),
-        "s_per_micro_step": probe["s_per_micro_step"],
+        "s_per_micro_step": round(s_micro, 4),
         "s_per_step": round(s_step, 3),
         "steps": steps,
         "steps_from": how,
+        "micro_batch": micro,
+        "tokens_per_sequence": tokens,
         "wall_s": round(wall, 1),
         "wall": _duration(wall),
         "budget_s": budget_s,
         "within_budget": None if not budget_s else wall <= budget_s,
         "batch_shape": probe.get("batch_shape"),
         "probe_peak_gb": probe.get("peak_gb"),
-        "how": f"{probe.get('steps')} real training steps of the base model with LoRA at micro batch {micro} x "
-               f"{shape['tokens_per_sequence']} tokens on {probe.get('device')} (the first, {probe.get('first_step_s')} s, "
-               f"pays one-time costs); {accum} micro-steps per optimizer step",
+        "how": f"{probe.get('steps')} real training steps of the base model with LoRA on {probe.get('device')} (the first, "
+               f"{probe.get('first_step_s')} s, pays one-time costs); a micro-step of {micro} x {tokens} tokens (the average "
+               f"padded length: a batch pads to its longest row) {read}; {accum} micro-steps per optimizer step",
     }
 
 
@@ -627,7 +658,7 @@ def training_shape(pc, experiment: str, brief: Brief, platform: str) -> dict[str
 
     Memory and time are estimated at this shape; generate_config estimates again with what it resolves.
     """
-    from finetune_mcp.phases.config import effective_tokens, find_dataset, recipe_params
+    from finetune_mcp.phases.config import effective_tokens, expected_padded_tokens, find_dataset, recipe_params
 
     params = recipe_params(pc.skills, brief.method)
 
@@ -643,8 +674,9 @@ def training_shape(pc, experiment: str, brief: Brief, platform: str) -> dict[str
     seq = int(brief.max_seq_length or 2048)
     counts = meta.get("counts") or {}
     packed = (meta.get("packing") or {}).get("rows") if brief.packing else None
+    micro = int(default("per_device_train_batch_size", 1))
     return {
-        "micro_batch": int(default("per_device_train_batch_size", 1)),
+        "micro_batch": micro,
         "grad_accum": int(default("gradient_accumulation_steps", 1)),
         "epochs": float(default("num_train_epochs", 1)),
         "max_steps": int(default("max_steps", -1)),
@@ -652,6 +684,7 @@ def training_shape(pc, experiment: str, brief: Brief, platform: str) -> dict[str
         "lora_targets": [t.replace("_proj", "") for t in default("target_modules", mem_table.defaults.lora_targets)],
         "max_seq_length": seq,
         "tokens_per_sequence": effective_tokens(meta, seq, brief.packing),
+        "time_tokens_per_sequence": expected_padded_tokens(meta, seq, brief.packing, micro),
         "sequences_per_example": mem_table.methods[brief.method].sequences_per_example if brief.method in mem_table.methods else 1,
         "reference_forward": brief.method in ("dpo", "kto"),
         "train_rows": int(packed or counts.get("train") or 0) or None,
@@ -669,8 +702,9 @@ def step_probe(pc, model: dict[str, Any], shape: dict[str, Any]) -> dict[str, An
         ref = resolve_base_model(model["name"], pc.ws.base_models_dir, data_dirs=pc.guard.read_roots)
         if not ref.exists:
             return {"error": f"{model['name']} is not built yet (prepare_dataset builds it)"}
-        keys = ("micro_batch", "sequences_per_example", "tokens_per_sequence", "lora_r", "lora_targets", "gradient_checkpointing", "reference_forward")
-        return run_job("step_probe", {"model_path": ref.load_path, "steps": 3, **{k: shape[k] for k in keys}}, timeout=STEP_PROBE_TIMEOUT_S)
+        keys = ("micro_batch", "sequences_per_example", "tokens_per_sequence", "time_tokens_per_sequence", "lora_r", "lora_targets",
+                "gradient_checkpointing", "reference_forward")
+        return run_job("step_probe", {"model_path": ref.load_path, "steps": 3, **{k: shape.get(k) for k in keys}}, timeout=STEP_PROBE_TIMEOUT_S)
     except FtError as e:
         return {"error": str(e)}
 
