@@ -99,7 +99,7 @@ def test_a_sliding_window_model_is_declined_and_decoded_by_generate(tiny):
                         num_key_value_heads=2, sliding_window=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = MistralForCausalLM(cfg).eval()
     ids = [E.prompt_ids(tok, p) for p in tiny_prompts(True)[:4]]
-    assert E.prefix_cache(model, [], 4) is None
+    assert E.prefix_cache(model, ids, 8) == (0, None)
     assert E.greedy_rows(model, ids, [6] * 4, E.stop_ids(tok, model), 0, [False] * 4) is None
     assert E.generate_ids(model, tok, ids, 6, fast=True) == E.generate_ids(model, tok, ids, 6, fast=False)
 
@@ -131,3 +131,17 @@ def test_greedy_rows_give_generate_answers_on_smollm2(smollm2_dir):
     want = [True, False] * 3
     plain, fast = both(model, tok, ids, [16, 10, 16, 6, 16, 12], want)
     assert_same(plain, fast, want)
+
+
+def test_step_store_spills_past_its_budget_and_gives_back_the_same_tensors():
+    import os
+
+    kept = {k: torch.randn(5, 7) for k in range(4)}
+    store = E.StepStore(budget=2 * 5 * 7 * 4)  # room for two in memory
+    for k, t in kept.items():
+        store.put(k, t)
+    assert sorted(store.mem) == [0, 1] and sorted(store.files) == [2, 3]
+    assert all(torch.equal(store.get(k), t) for k, t in kept.items())
+    folder = os.path.dirname(store.files[2])
+    store.close()
+    assert not os.path.exists(folder)

@@ -111,12 +111,13 @@ def generate_ids(model, tokenizer, ids: list[list[int]], max_new_tokens: int | l
         rows = greedy_rows(model, [ids[i] for i in chunk], [limits[i] for i in chunk], eos, pad, [want[i] for i in chunk]) if fast else None
         if rows is None:
             fast = False
-            rows = [None] * len(chunk)
-            for part in ([k for k in range(len(chunk)) if want[chunk[k]]], [k for k in range(len(chunk)) if not want[chunk[k]]]):
+            # Step logits only where wanted: generate returns them for every row of a call, so two calls.
+            by_row = {}
+            for keep in (True, False):
+                part = [i for i in chunk if want[i] == keep]
                 if part:
-                    for k, row in zip(part, _generate_plain(model, [ids[chunk[k]] for k in part], [limits[chunk[k]] for k in part],
-                                                            eos, pad, want[chunk[part[0]]])):
-                        rows[k] = row
+                    by_row.update(zip(part, _generate_plain(model, [ids[i] for i in part], [limits[i] for i in part], eos, pad, keep)))
+            rows = [by_row[i] for i in chunk]
         for (toks, end, _), i in zip(rows, chunk):
             out[i] = (tokenizer.decode(toks, skip_special_tokens=True), toks, end)
         if on_batch is not None:
@@ -170,8 +171,9 @@ def shared_prefix(seqs: list[list[int]], limit: int) -> int:
     return k
 
 
-def prefix_cache(model, prefix: list[int], rows: int):
-    """A key/value cache holding `prefix` for `rows` rows, or None where this model's cache is not a plain
+def prefix_cache(model, rows: list[list[int]], limit: int):
+    """(p, cache): the rows' shared prefix of p tokens (at most `limit`; 0 when shorter than MIN_SHARED_PREFIX) run
+    once and held in a key/value cache for every row, or (0, None) where this model's cache is not a plain
     full-attention one (sliding-window, hybrid or recurrent layers; prompt-learning adapters), whose rows could
     not take padding after a shared prefix or be dropped one by one."""
     import torch
@@ -181,17 +183,19 @@ def prefix_cache(model, prefix: list[int], rows: int):
     core = _core(model)
     peft_cfg = getattr(model, "peft_config", None)
     if getattr(core.config, "is_encoder_decoder", False) or (peft_cfg and any(getattr(c, "is_prompt_learning", False) for c in peft_cfg.values())):
-        return None
+        return 0, None
     cache = DynamicCache(config=core.config)
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    if prefix:
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([prefix], device=model.device), use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
-            return None
-        cache.batch_repeat_interleave(rows)
-    return cache
+        return 0, None
+    p = shared_prefix(rows, limit)
+    if p < MIN_SHARED_PREFIX:
+        return 0, cache
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([rows[0][:p]], device=model.device), use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return 0, None
+    cache.batch_repeat_interleave(len(rows))
+    return p, cache
 
 
 def greedy_rows(model, ids: list[list[int]], limits: list[int], eos: list[int], pad: int, keep_logits: list[bool]):
@@ -206,9 +210,7 @@ def greedy_rows(model, ids: list[list[int]], limits: list[int], eos: list[int], 
     import torch
 
     dev = model.device
-    p = shared_prefix(ids, min(len(q) for q in ids) - 1)  # every row keeps a token of its own for the prompt pass
-    p = p if p >= MIN_SHARED_PREFIX else 0
-    cache = prefix_cache(model, ids[0][:p], len(ids))
+    p, cache = prefix_cache(model, ids, min(len(q) for q in ids) - 1)  # every row keeps a token for the prompt pass
     if cache is None:
         return None
     kw = {_cache_kwarg(model): cache, "use_cache": True}
@@ -334,9 +336,8 @@ def logits_at(model, rows: list[list[int]], pad: int, lo: int, hi: int):
     """
     import torch
 
-    p = shared_prefix(rows, lo)
-    cache = prefix_cache(model, rows[0][:p], len(rows)) if p >= MIN_SHARED_PREFIX else None
-    p = p if cache is not None else 0
+    p, cache = prefix_cache(model, rows, lo)
+    cache = cache if p else None
     x, att = _right_padded([q[p:] for q in rows], pad, model.device)
     kw = {_cache_kwarg(model): cache, "use_cache": True} if cache is not None else {"use_cache": False}
     if p:
@@ -384,11 +385,12 @@ def nll_sums(model, seqs: list[list[int]], starts: list[int], pad: int) -> list[
         hi0 = max(len(seqs[i]) - 1 for i in chunk)
         if hi0 <= lo0:
             continue
-        x, _ = _right_padded([seqs[i] for i in chunk], pad, "cpu")
+        rows = [seqs[i] for i in chunk]
         with torch.inference_mode():
-            logits = logits_at(model, [seqs[i] for i in chunk], pad, lo0, hi0).float()
+            logits = logits_at(model, rows, pad, lo0, hi0).float()
+            target = torch.tensor([(q + [pad] * (hi0 + 1 - len(q)))[lo0 + 1:hi0 + 1] for q in rows], device=logits.device)
             # Flat (rows*positions, vocab): cross_entropy over a transposed (rows, vocab, positions) view is ~4x slower.
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, lo0 + 1:hi0 + 1].reshape(-1).to(logits.device),
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                                     reduction="none").view(len(chunk), hi0 - lo0)
         for row, i in enumerate(chunk):
             lo, hi = max(starts[i], 1) - 1, len(seqs[i]) - 1

@@ -553,27 +553,31 @@ def _run_yaml(header: str, top: dict, hparams: dict, sources: dict, rest: dict) 
 # ================================================================ the tool
 
 
+def run_shape(values: dict, meta: dict, max_seq_length: int, packing: bool, method: str, mem_table) -> dict:
+    """A run's batch shape and length from its hyperparameter values (the recipe's defaults at preflight, the
+    resolved ones here): what the memory and time estimates read."""
+    micro = int(values.get("per_device_train_batch_size") or 1)
+    packed = (meta.get("packing") or {}).get("rows") if packing else None
+    return {
+        "micro_batch": micro,
+        "grad_accum": int(values.get("gradient_accumulation_steps") or 1),
+        "epochs": float(values.get("num_train_epochs") or 1),
+        "max_steps": int(values["max_steps"]) if values.get("max_steps") is not None else -1,
+        "max_seq_length": max_seq_length,
+        "tokens_per_sequence": effective_tokens(meta, max_seq_length, packing),
+        "time_tokens_per_sequence": expected_padded_tokens(meta, max_seq_length, packing, micro),
+        "sequences_per_example": mem_table.methods[method].sequences_per_example if method in mem_table.methods else 1,
+        "train_rows": int(packed or (meta.get("counts") or {}).get("train") or 0) or None,
+    }
+
+
 def _time_for(report: dict, values: dict, meta: dict, brief, method: str, skills) -> dict:
     """The preflight's expected wall time restated for the resolved values: this run's batch, accumulation, length and
     steps, read from the same timed training steps (overrides such as max_steps or the batch come after preflight)."""
     from finetune_mcp.phases.preflight import time_estimate
 
     seq = int(values.get("max_seq_length") or values.get("max_length") or brief.max_seq_length or 2048)
-    packing = bool(values.get("packing"))
-    micro = int(values.get("per_device_train_batch_size") or 1)
-    counts = meta.get("counts") or {}
-    packed = (meta.get("packing") or {}).get("rows") if packing else None
-    methods = skills.table("spark-preflight", "memory").methods
-    shape = {
-        "micro_batch": micro,
-        "grad_accum": int(values.get("gradient_accumulation_steps") or 1),
-        "epochs": float(values.get("num_train_epochs") or 1),
-        "max_steps": int(values["max_steps"]) if values.get("max_steps") is not None else -1,
-        "tokens_per_sequence": effective_tokens(meta, seq, packing),
-        "time_tokens_per_sequence": expected_padded_tokens(meta, seq, packing, micro),
-        "sequences_per_example": methods[method].sequences_per_example if method in methods else 1,
-        "train_rows": int(packed or counts.get("train") or 0) or None,
-    }
+    shape = run_shape(values, meta, seq, bool(values.get("packing")), method, skills.table("spark-preflight", "memory"))
     return time_estimate((report.get("observed") or {}).get("step_probe"), shape, brief.time_budget_s)
 
 

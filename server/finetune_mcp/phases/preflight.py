@@ -658,36 +658,20 @@ def training_shape(pc, experiment: str, brief: Brief, platform: str) -> dict[str
 
     Memory and time are estimated at this shape; generate_config estimates again with what it resolves.
     """
-    from finetune_mcp.phases.config import effective_tokens, expected_padded_tokens, find_dataset, recipe_params
+    from finetune_mcp.phases.config import find_dataset, recipe_params, run_shape
 
     params = recipe_params(pc.skills, brief.method)
-
-    def default(key: str, fallback: Any) -> Any:
-        p = params.get(key)
-        return p.default if p is not None and p.default is not None else fallback
-
     mem_table = pc.skills.table(SKILL, "memory")
     try:
         _, meta = find_dataset(pc, experiment)
     except FtError:
         meta = {}
-    seq = int(brief.max_seq_length or 2048)
-    counts = meta.get("counts") or {}
-    packed = (meta.get("packing") or {}).get("rows") if brief.packing else None
-    micro = int(default("per_device_train_batch_size", 1))
+    defaults = {k: p.default for k, p in params.items() if p.default is not None}
     return {
-        "micro_batch": micro,
-        "grad_accum": int(default("gradient_accumulation_steps", 1)),
-        "epochs": float(default("num_train_epochs", 1)),
-        "max_steps": int(default("max_steps", -1)),
-        "lora_r": int(default("lora_r", mem_table.defaults.lora_r)),
-        "lora_targets": [t.replace("_proj", "") for t in default("target_modules", mem_table.defaults.lora_targets)],
-        "max_seq_length": seq,
-        "tokens_per_sequence": effective_tokens(meta, seq, brief.packing),
-        "time_tokens_per_sequence": expected_padded_tokens(meta, seq, brief.packing, micro),
-        "sequences_per_example": mem_table.methods[brief.method].sequences_per_example if brief.method in mem_table.methods else 1,
+        **run_shape(defaults, meta, int(brief.max_seq_length or 2048), brief.packing, brief.method, mem_table),
+        "lora_r": int(defaults.get("lora_r", mem_table.defaults.lora_r)),
+        "lora_targets": [t.replace("_proj", "") for t in defaults.get("target_modules", mem_table.defaults.lora_targets)],
         "reference_forward": brief.method in ("dpo", "kto"),
-        "train_rows": int(packed or counts.get("train") or 0) or None,
         "gradient_checkpointing": bool(mem_table.defaults.gradient_checkpointing_gpu) if platform != "cpu" else False,
         "source": "the method recipe's defaults and the prepared dataset (meta.json)" if meta else "the method recipe's defaults (no prepared dataset yet)",
     }
