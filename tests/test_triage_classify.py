@@ -74,3 +74,52 @@ def test_to_dict_carries_the_new_fields():
     # Every verdict names a runner-up, even when no other class has evidence.
     alone = decide(_findings([Hit(SIG["sigkill-in-log"], [(1, "Killed")])]))
     assert alone.runner_up.failure_class == "environment" and alone.runner_up.confidence < alone.confidence
+
+
+def test_a_kill_with_memory_far_below_the_limit_is_weak_evidence_of_oom():
+    # Issue 30: a trainer killed with kill -9 while using 0.58 of 24 GB read oom at 0.84 with no evidence.
+    far = decide(find("", exit_info={"returncode": 137}), memory={"used_gb": 0.58, "limit_gb": 24.0})
+    near = decide(find("", exit_info={"returncode": 137}), memory={"used_gb": 23.1, "limit_gb": 24.0})
+    unknown = decide(find("", exit_info={"returncode": 137}))
+    assert far.failure_class == near.failure_class == unknown.failure_class == "oom"
+    assert far.confidence <= 0.35 < near.confidence == unknown.confidence
+    assert far.runner_up.failure_class == "environment" and far.runner_up.confidence >= far.confidence - 0.1
+    assert any("0.58 of 24 GB" in m and "far below the limit" in m for m in far.missing_evidence), far.missing_evidence
+    assert "weak evidence of OOM" in far.reason
+    assert any("96%" in m for m in near.missing_evidence) and not any("far below" in m for m in near.missing_evidence)
+    assert any("not known" in m for m in unknown.missing_evidence)
+    # An allocator's own OOM is evidence whatever the reading: the memory note only weighs a bare kill.
+    text = (LOGS / "oom-trl-ci-other-processes.log").read_text(encoding="utf-8")
+    cuda = decide(find(text, exit_info={"returncode": 1}), memory={"used_gb": 0.58, "limit_gb": 24.0})
+    assert cuda.failure_class == "oom" and cuda.confidence > 0.35 and not any("far below" in m for m in cuda.missing_evidence)
+
+
+def test_never_none_on_a_named_nan_a_spike_or_a_halving_scale():
+    # The shapes of issue 32's misses, as rules and not patterns: each reads a failure class, never none.
+    named = decide(find("step 1 | loss_a=1.3 loss_b=0.8 grad_norm=2.0\nstep 2 | loss_a=1.2 loss_b=inf grad_norm=nan\n"))
+    assert named.failure_class == "divergence" and named.runner_up is not None and named.evidence
+    plain = "".join(f"Epoch 1 Step {i} loss {v}\n" for i, v in enumerate([2.1, 2.0, 1.9, 1.85, 1.8, 25.0, 24.0], 1))
+    spike = decide(find(plain))
+    assert spike.failure_class == "divergence" and "loss-spike" in spike.signals
+    assert any("Step 6 loss 25.0" in t for _, t in spike.evidence) and spike.missing_evidence
+    scale = "".join(f"iter {i} | value_loss: {vl} | grad_scale: {s:g}\n"
+                    for i, (vl, s) in enumerate([(0.5, 65536), (0.5, 65536), (0.6, 65536), (0.9, 32768), (1.2, 16384), (1.4, 8192)]))
+    halving = decide(find(scale))
+    assert halving.failure_class == "divergence" and halving.signals[0] == "loss-scale-halving"
+
+
+def test_the_memory_reading_of_a_run_comes_from_its_progress_and_env_report(tmp_path):
+    # The records poll_progress reads (templates/train/head.py writes them) and the env report preflight writes.
+    from finetune_mcp.triage.tool import _memory_reading
+
+    progress = tmp_path / "progress.jsonl"
+    progress.write_text("".join(f'{{"step": {i}, "loss": 1.0, "lr": 0.0002, "mem_gb": {m}, "temp_c": null}}\n'
+                                for i, m in enumerate([0.41, 0.58, 0.55, 0.52, 0.57, 0.56], 1)))
+    gpu = {"observed": {"host": {"nvml": {"devices": [{"name": "NVIDIA A10G", "memory": {"supported": True, "total_gb": 24.0}}]},
+                                 "memory": {"total_gb": 64.0}}}}
+    assert _memory_reading(progress, gpu) == {"used_gb": 0.58, "limit_gb": 24.0}
+    unified = {"observed": {"host": {"nvml": {"devices": [{"name": "NVIDIA GB10", "memory": {"supported": False}}]},
+                                     "memory": {"total_gb": 128.0}}}}
+    assert _memory_reading(progress, unified) == {"used_gb": 0.58, "limit_gb": 128.0}
+    assert _memory_reading(progress, None) == {"used_gb": 0.58}
+    assert _memory_reading(tmp_path / "missing.jsonl", gpu) is None

@@ -112,3 +112,56 @@ def test_records_and_numbers():
     out = parse_records([{"step": 1, "loss": None}, {"step": 2, "loss": 1.5, "lr": 1e-4}, "junk"], KEYS)
     assert math.isnan(out[0].loss) and out[1].loss == 1.5 and len(out) == 2  # poll writes NaN as null
     assert to_number("1,024") == 1024.0 and to_number("[5e-05]") == 5e-05 and to_number("abc") is None and to_number(True) is None
+
+
+# --- logs as they really are (issue 32) ------------------------------------------------------------
+
+
+def test_clean_line_drops_escapes_bars_and_prefixes():
+    from finetune_mcp.triage.parse import clean_line
+
+    assert clean_line("\x1b[33m(raylet)\x1b[0m Task was killed due to the node running low on memory") == \
+        "Task was killed due to the node running low on memory"
+    assert clean_line("^[[33m(raylet)^[[0m [2024-08-13 13:53:27,026 E 85978 86010] (raylet) node_manager.cc:3069: x") == "node_manager.cc:3069: x"
+    assert clean_line("[36m(WorkerDict pid=150008)[0m loss: 2.1") == "loss: 2.1"  # the ESC byte lost in a paste
+    assert clean_line("ESC[31mESC[1mERROR   ESC[0m | loss is nan") == "ERROR    | loss is nan"  # ESC spelled out by a viewer
+    assert clean_line("(RayWorker pid=1, ip=10.0.0.1) Killed") == "Killed"
+    assert clean_line("[rank3]: torch.OutOfMemoryError: CUDA out of memory.") == "torch.OutOfMemoryError: CUDA out of memory."
+    assert clean_line("10.0.0.1: RuntimeError: NCCL error") == "RuntimeError: NCCL error"
+    assert clean_line("2020-12-08 21:40:40.870695  | actor_loss/Median  nan") == "| actor_loss/Median  nan"
+    assert clean_line("[ 1234.567890] Out of memory: Killed process 42 (python)") == "Out of memory: Killed process 42 (python)"
+    assert clean_line("  1%|▏   | 1/90 [00:01<01:30]\r  2%|▎   | 2/90 [00:02<01:29]\r{'loss': 1.5}") == "{'loss': 1.5}"
+    assert clean_line('  File "train.py", line 3, in <module>') == '  File "train.py", line 3, in <module>'  # no prefix: untouched
+
+
+def test_clean_lines_is_clean_line_on_every_corpus_log():
+    from finetune_mcp.triage.parse import clean_line, clean_lines, split_lines
+
+    for p in LOGS.glob("*.log"):
+        lines = split_lines(p.read_text(encoding="utf-8"))
+        assert clean_lines(lines) == [clean_line(ln) for ln in lines], p.name
+
+
+def test_named_metrics_of_any_name_and_format():
+    from finetune_mcp.triage.parse import key_kind
+
+    kinds = {k: key_kind(k) for k in ("value_loss", "actor/pg_loss", "loss_a", "lm loss avg", "kl", "approx_kl", "model_grad_norm",
+                                      "grad_norm_actor/Max", "grad_scale", "scaler", "eval/val_loss", "max_grad_norm", "kl_coef",
+                                      "init_loss_scale", "reward", "loss_weight", "DecoderLoss", "GradNormST")}
+    assert kinds == {"value_loss": "loss", "actor/pg_loss": "loss", "loss_a": "loss", "lm loss avg": "loss", "kl": "kl",
+                     "approx_kl": "kl", "model_grad_norm": "grad_norm", "grad_norm_actor/Max": "grad_norm", "grad_scale": "loss_scale",
+                     "scaler": "loss_scale", "eval/val_loss": "eval_loss", "max_grad_norm": None, "kl_coef": None,
+                     "init_loss_scale": None, "reward": None, "loss_weight": None, "DecoderLoss": "loss", "GradNormST": "grad_norm"}
+    m = _one("step 7 | loss_a=1.25 loss_b=inf grad_norm=nan")
+    assert m.step == 7 and m.named["loss:loss a"] == 1.25 and math.isinf(m.named["loss:loss b"]) and math.isnan(m.grad_norm)
+    plain = _one("Epoch 3 Step 40 loss 2.1")
+    assert (plain.step, plain.loss) == (40.0, 2.1)
+    keras = _one("120/120 [==============================] - 3s 25ms/step - loss: 0.1000 - val_loss: nan")
+    assert keras.loss == 0.1 and math.isnan(keras.eval_loss)
+    rl = _one("{'actor/pg_loss': 0.02, 'critic/vf_loss': 4.1, 'actor/kl': nan}")
+    assert rl.named == {"loss:actor pg loss": 0.02, "loss:critic vf loss": 4.1, "kl:actor kl": rl.named["kl:actor kl"]}
+    assert math.isnan(rl.named["kl:actor kl"])
+    # A setting is not a measurement: an infinite clip threshold is no NaN.
+    assert _one("max_grad_norm=inf lr=2e-4").named == {}
+    rows = parse_text("| step | value_loss | grad_scale |\n| 5 | 0.31 | 1024.0 |\n", KEYS)
+    assert [(m.step, m.named) for m in rows] == [(5.0, {"loss:value loss": 0.31, "loss_scale:grad scale": 1024.0})]

@@ -108,3 +108,87 @@ def test_exit_status_and_failure_evidence():
     healthy = find((LOGS / "none-healthy-trl-sft-llama2-loss-decreasing.log").read_text())
     assert not healthy.failed and not healthy.hits and len(healthy.metrics) == 11
     assert not find("Traceback (most recent call last):\nValueError: handled\n", exit_info={"returncode": 0}).failed
+
+
+# --- issue 32: any named metric, loss scales, text as logs are, big logs streamed ------------------
+
+
+def _named(key: str, values, **extra) -> list[Metric]:
+    return [Metric(i + 1, f"line {i + 1}", step=i + 1, named={key: v}, **extra) for i, v in enumerate(values)]
+
+
+def test_nonfinite_in_any_named_loss_or_grad_norm():
+    assert _ids(_named("loss:loss b", [1.0, float("inf")])) == ["nonfinite-loss"]
+    assert _ids(_named("kl:actor kl", [0.01, float("nan")])) == ["nonfinite-loss"]
+    assert _ids(_named("grad_norm:model grad norm", [3.0, float("nan")])) == ["nonfinite-grad-norm"]
+    hit = next(h for h in number_hits(_named("loss:value loss", [0.5, float("nan")]), compiled()) if h.id == "nonfinite-loss")
+    assert hit.lines == [(2, "line 2")] and "value loss" in hit.detail
+
+
+def test_spike_and_rise_in_a_named_loss_series():
+    k = RULES.spike_factor
+    assert "loss-spike" in _ids(_named("loss:value loss", [2.0, 1.9, 1.8, 1.7, 1.8 * k * 1.1, 1.6]))
+    assert "loss-spike" not in _ids(_named("loss:value loss", [2.0, 1.9, 1.8, 1.7, 1.8 * k * 0.9, 1.6]))
+    rise = [3.0, 2.0, 1.0] + [1.1] * RULES.rise_min_history + [RULES.rise_factor * 1.01]
+    assert "loss-rise" in _ids(_named("loss:actor pg loss", rise))
+
+
+def test_loss_scale_halving_step_after_step_once_settled():
+    n, settled = RULES.scale_halving_run, RULES.scale_settled_logs
+    held = [65536.0] * (settled + 1)
+    halving = held + [65536.0 / 2 ** (i + 1) for i in range(n)]
+    scales = [Metric(i + 1, f"line {i + 1}", loss_scale=v) for i, v in enumerate(halving)]
+    hit = next(h for h in number_hits(scales, compiled()) if h.id == "loss-scale-halving")
+    assert [ln for ln, _ in hit.lines] == list(range(len(held) + 1, len(halving) + 1))
+    # Under any name, with no "overflow" line anywhere.
+    assert "loss-scale-halving" in [h.id for h in find("".join(f"iter {i} | lm loss: 2.0 | grad_scale: {v:g}\n" for i, v in enumerate(halving))).hits]
+    # One halving short, or the scaler's search down from its initial scale right after start: not a failure.
+    assert "loss-scale-halving" not in _ids(scales[:-1])
+    start = [Metric(i + 1, "x", loss_scale=2.0 ** (16 - i)) for i in range(6)] + [Metric(7, "x", loss_scale=1024.0)] * 3
+    assert "loss-scale-halving" not in _ids(start)
+
+
+@pytest.mark.parametrize("name", ["oom-killer-bare-killed-after-preprocessing.log", "oom-cpu-allocator-lmflow.log",
+                                  "oom-nccl-timeout-after-rank-oom-swift.log", "env-setup-keyerror-text-column-sft.log",
+                                  "divergence-dreamer-pytorch-named-losses-nan-table.log"])
+@pytest.mark.parametrize("prefix", ["\x1b[2m\x1b[36m(RayWorker pid=4331, ip=10.0.0.1)\x1b[0m ", "^[[36m(pid=77)^[[0m ",
+                                    "[rank3]: ", "10.0.0.1: ", "2024-05-03 18:47:25,368 ", "[33m(raylet)[0m "])
+def test_escapes_and_prefixes_do_not_hide_a_signal(name, prefix):
+    # The same real log as a launcher, a colour logger or a paste would print it: the verdict must not move,
+    # and the evidence stays the printed line, verbatim.
+    text = (LOGS / name).read_text(encoding="utf-8")
+    plain = find(text)
+    dressed_text = "".join(prefix + ln + "\r\n" for ln in text.split("\n")[:-1])
+    dressed = find(dressed_text)
+    assert sorted(h.id for h in dressed.hits) == sorted(h.id for h in plain.hits)
+    assert bool(dressed.exception) == bool(plain.exception) and dressed.failed == plain.failed
+    lines = dressed_text.split("\r\n")
+    for h in dressed.hits:
+        for n, t in h.lines:
+            assert lines[n - 1] == t
+
+
+@pytest.mark.parametrize("name", ["oom-nccl-timeout-after-rank-oom-swift.log", "none-healthy-torchtune-lora-multinode.log",
+                                  "divergence-dreamer-pytorch-named-losses-nan-table.log", "none-healthy-ray-train-result-table.log"])
+def test_a_big_log_streamed_reads_as_the_whole_text_does(tmp_path, monkeypatch, name):
+    import finetune_mcp.triage.signals as S
+
+    text = (LOGS / name).read_text(encoding="utf-8")
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    whole = find(text)
+    monkeypatch.setattr(S, "WHOLE_BYTES", 0)
+    monkeypatch.setattr(S, "CHUNK_BYTES", 97)  # many chunks, cut mid-line
+    streamed = S.find_file(path)
+    assert {h.id: h.lines for h in streamed.hits} == {h.id: h.lines for h in whole.hits}
+    assert (streamed.exception, streamed.traceback_cut, streamed.markers) == (whole.exception, whole.traceback_cut, whole.markers)
+    assert streamed.summary["records"] == len(whole.metrics)
+
+
+def test_a_best_so_far_sentinel_is_no_nan_loss_but_a_nan_beside_it_is():
+    # icefall prints best_train_loss: inf before any loss exists (dev case none-healthy-icefall-params-best-loss-inf).
+    assert "nonfinite-loss" not in [h.id for h in find("{'best_train_loss': inf, 'best_valid_loss': inf, 'log_interval': 50}\n").hits]
+    assert "nonfinite-loss" in [h.id for h in find("best_train_loss: inf | train loss: nan\n").hits]
+    # The word patterns of the signal stay patterns (an `unless` list never swallows them).
+    for line in ("RuntimeError:  > Detected NaN loss - Loss: nan", "Loss became infinite or NaN at iteration=3!", "step 3 loss is nan"):
+        assert "nonfinite-loss" in [h.id for h in find(line + "\n").hits], line

@@ -1,11 +1,11 @@
 """Failure triage as a package: parse (metrics from any log format) -> signals -> classify -> remedies; tool holds the MCP tool and the CLI entry."""
 
-from finetune_mcp.triage.classify import Classification, RunnerUp, classify_records, classify_text
+from finetune_mcp.triage.classify import Classification, RunnerUp, classify_file, classify_records, classify_text
 from finetune_mcp.triage.remedies import CAUSE_ORDER, Rung, divergence_causes, load_ladder_table, oom_next_rung, rungs_tried
 from finetune_mcp.triage.signals import load_signal_table
 from finetune_mcp.triage.tool import triage_failure, triage_log_file
 
 __all__ = [
-    "CAUSE_ORDER", "Classification", "Rung", "RunnerUp", "classify_records", "classify_text", "divergence_causes",
+    "CAUSE_ORDER", "Classification", "Rung", "RunnerUp", "classify_file", "classify_records", "classify_text", "divergence_causes",
     "load_ladder_table", "load_signal_table", "oom_next_rung", "rungs_tried", "triage_failure", "triage_log_file",
 ]

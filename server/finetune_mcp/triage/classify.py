@@ -3,7 +3,9 @@
 Rules (SKILL.md#failure-signals): the highest-priority signal decides its class, ties to the earliest
 line; a log that failed (traceback, exception, kill, non-zero exit) never reads `none` unless the only
 stop is one someone asked for - a failure no signal names gets the table's fallback class by its
-exception type, at low confidence; a log with no failure and no failure signal is healthy.
+exception type, at low confidence; a log with no failure and no failure signal is healthy. A verdict
+of oom that rests on a kill alone (SIGKILL, exit 137) is weak when memory in use was far below the
+limit: its confidence is capped and it says what is missing.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from finetune_mcp.triage.signals import Findings, Hit, compiled, fallback_rule, find, find_in_records
+from finetune_mcp.triage.signals import Findings, Hit, compiled, fallback_rule, find, find_file, find_in_records
 
 FAILURE_CLASSES = ("environment", "divergence", "oom")
 # The runner-up when no other class has any evidence: the nearest alternative, with what would make it so.
@@ -26,6 +28,8 @@ MAX_EVIDENCE = 12
 # A class with several distinct signals is a little surer than with one; capped so that many weak
 # signals never outrank one strong one of another class.
 EXTRA_SIGNAL_BONUS, EXTRA_SIGNAL_CAP = 2, 6
+# A kill with memory far below the limit still reads oom (nothing else names a cause), but no surer than this.
+KILL_FAR_BELOW_CONFIDENCE = 0.35
 
 
 @dataclass
@@ -95,6 +99,8 @@ def _check_for(sig, platform: str | None) -> str | None:
 
 
 def _metrics_summary(f: Findings) -> dict:
+    if f.summary is not None:
+        return dict(f.summary)
     losses = [m.loss for m in f.metrics if m.loss is not None and math.isfinite(m.loss)]
     grads = [m.grad_norm for m in f.metrics if m.grad_norm is not None and math.isfinite(m.grad_norm)]
     scales = [m.loss_scale for m in f.metrics if m.loss_scale is not None and math.isfinite(m.loss_scale)]
@@ -108,6 +114,10 @@ def _metrics_summary(f: Findings) -> dict:
     return out
 
 
+def _has_metrics(f: Findings) -> bool:
+    return bool(f.summary["records"]) if f.summary is not None else bool(f.metrics)
+
+
 def _missing(cls: str, deciding: list[Hit], f: Findings, fallback: bool) -> list[str]:
     out: list[str] = []
     if fallback:
@@ -117,11 +127,11 @@ def _missing(cls: str, deciding: list[Hit], f: Findings, fallback: bool) -> list
         out.append("the traceback ends before its exception line - the log (or the excerpt) is cut short")
     if len({h.id for h in deciding}) == 1 and getattr(deciding[0].signal, "confirm", None):
         out.append(deciding[0].signal.confirm)
-    if cls == "divergence" and not f.metrics:
+    if cls == "divergence" and not _has_metrics(f):
         out.append("no loss or grad-norm values were parsed; the verdict rests on words, not on the curve")
     if cls == "divergence" and all(h.signal.records_rule for h in deciding) and not (f.markers or f.exception):
         out.append("no error line - the verdict rests on the logged numbers; the run's config (precision, learning rate) names the cause")
-    if cls == "none" and not f.metrics:
+    if cls == "none" and not _has_metrics(f):
         out.append("no loss values were found to check the curve; only the absence of failure lines says healthy")
     if f.exit_code is None and f.exit_signal is None and cls == "oom":
         out.append("the run's exit status is not known (a bare log): exit 137 / -9 would confirm a kill")
@@ -130,8 +140,31 @@ def _missing(cls: str, deciding: list[Hit], f: Findings, fallback: bool) -> list
     return out
 
 
-def decide(f: Findings, *, platform: str | None = None) -> Classification:
-    """Weigh findings into a Classification (see the module docstring for the rules)."""
+def _kill_only(deciding: list[Hit]) -> bool:
+    """The oom verdict rests on a kill alone (a SIGKILL, exit 137), no allocator or OOM-killer record."""
+    return all(getattr(h.signal, "explained_by_stop", False) for h in deciding)
+
+
+def _memory_note(memory: dict | None, table) -> tuple[str, bool]:
+    """(what the memory reading says about a kill, whether it rules the OOM killer out as the likely sender)."""
+    used, limit = (memory or {}).get("used_gb"), (memory or {}).get("limit_gb")
+    if not isinstance(used, (int, float)) or not isinstance(limit, (int, float)) or limit <= 0:
+        return ("the memory in use when the run was killed is not known (progress mem_gb, dmesg, sacct MaxRSS): "
+                "a kill with memory far below the limit is not an OOM", False)
+    frac = used / limit
+    far = frac < table.records.kill_memory_fraction
+    return (f"memory in use near the kill was {used:g} of {limit:g} GB ({frac:.0%})"
+            + (f", far below the limit (under {table.records.kill_memory_fraction:.0%}): nothing shows the OOM killer sent the kill - "
+               "no kernel or scheduler OOM record, no allocator error; a user's kill -9, a scheduler preemption or a watchdog "
+               "fit as well" if far else ""), far)
+
+
+def decide(f: Findings, *, platform: str | None = None, memory: dict | None = None) -> Classification:
+    """Weigh findings into a Classification (see the module docstring for the rules).
+
+    memory: {"used_gb", "limit_gb"} near the end of the run (a run's progress records and env report);
+    a kill with memory far below the limit is not evidence of OOM, so the verdict's confidence drops.
+    """
     comp = compiled(f.table)
     summary = _metrics_summary(f)
     dropped_note = ""
@@ -201,8 +234,18 @@ def decide(f: Findings, *, platform: str | None = None) -> Classification:
     if cls == "environment" and check is None:
         reason += " No preflight check covers this; fix it where the note says, then relaunch."
     exc_extra = extra if cls != "divergence" or not all(h.signal.records_rule for h in deciding) else []
+    missing = _missing(cls, deciding, f, False)
+    if cls == "oom" and _kill_only(deciding):
+        note, far = _memory_note(memory, comp.table)
+        missing.append(note)
+        if far:
+            conf = min(conf, KILL_FAR_BELOW_CONFIDENCE)
+            reason += f" But {note.split(': ')[0]}, so the kill alone is weak evidence of OOM."
+            if runner_up is None or runner_up.confidence < conf - 0.1:
+                runner_up = RunnerUp("environment", round(conf - 0.05, 2), "a kill with memory far below the limit: something other "
+                                     "than the OOM killer may have sent it (a user's kill -9, a preemption, a watchdog)")
     return Classification(cls, reason, _evidence(deciding, exc_extra), [h.id for h in deciding] + [h.id for h in others], check, None,
-                          conf, runner_up, _missing(cls, deciding, f, False), summary)
+                          conf, runner_up, missing, summary)
 
 
 def _alternative(cls: str, conf: float) -> RunnerUp:
@@ -218,14 +261,21 @@ def _why_runner(cls: str, by_class: dict[str, list[Hit]]) -> str:
     return f"{h.id}" + (f" (line {h.first})" if h.lines else "") + f": {h.signal.note.strip().split('. ')[0]}"
 
 
-def classify_text(text: str, *, exit_info: dict | None = None, platform: str | None = None, table=None) -> Classification:
+def classify_text(text: str, *, exit_info: dict | None = None, platform: str | None = None, table=None,
+                  memory: dict | None = None) -> Classification:
     """Classify one training log.
 
     exit_info: {"returncode": int, "signal": int | "SIGKILL", "stopped_by": "stop_run" | None}
     (any key optional). platform: "dgx-spark" picks G-numbered checks, anything else the generic
-    N-numbered ones.
+    N-numbered ones. memory: {"used_gb", "limit_gb"} near the end of the run, when known.
     """
-    return decide(find(text, exit_info=exit_info, table=table), platform=platform)
+    return decide(find(text, exit_info=exit_info, table=table), platform=platform, memory=memory)
+
+
+def classify_file(path, *, exit_info: dict | None = None, platform: str | None = None, table=None,
+                  memory: dict | None = None) -> Classification:
+    """Classify a log file of any size: read whole up to signals.WHOLE_BYTES, streamed in one pass above (find_file)."""
+    return decide(find_file(path, exit_info=exit_info, table=table), platform=platform, memory=memory)
 
 
 def classify_records(records: list, *, table=None) -> Classification:

@@ -15,6 +15,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
 FIELDS = ("step", "loss", "eval_loss", "grad_norm", "lr", "loss_scale")
@@ -32,8 +33,95 @@ _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
 _SCALE_CUT = re.compile(r"(?:reducing to|reducing loss scale to|dynamic loss scale from \S+ to)\s+(" + _NUM + r")", re.I)
 _NONFINITE = re.compile(r"(?<![\w'\"])(-?(?:nan|inf(?:inity)?))(?![\w'\"])", re.I)
 
+# Terminal escapes: CSI/OSC sequences with the ESC byte, in caret notation (^[[33m, as `cat -v` and
+# many pastes show them) or spelled out (ESC[33m, as some viewers render them), and SGR colour codes
+# whose ESC byte was lost on the way (`[33m(raylet)[0m`).
+_ANSI = re.compile(r"(?:\x1b|\^\[|ESC(?=\[))(?:\[[0-9;?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])|\[(?:\d{1,3};)*\d{1,3}m")
+# What launchers and loggers put before a line: timestamps (ISO, bracketed, glog, dmesg seconds),
+# torchrun's [rank3]: / [default0]:, Ray's (pid=123) / (RayWorker pid=1, ip=10.0.0.1) / (raylet),
+# pdsh-style host prefixes (10.0.0.1: , node-3: ). Stripped repeatedly from the start only.
+_PREFIX = re.compile(
+    r"\s*(?:"
+    r"\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}[.,]\d+ [DIWEFC] \d+ \d+\]"
+    r"|\[?\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?:?"
+    r"|\[\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]"
+    r"|[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+ [\w./-]+:\d+\]"
+    r"|\[\s*\d+\.\d+\]"
+    r"|\[(?:rank|default|Rank )\s?\d+\]:?"
+    r"|\((?:[\w.\-]+ )?pid=\d+(?:, ip=[\w.:\-]+)?\)"
+    r"|\((?:raylet|gcs_server|dashboard|autoscaler|monitor)(?:, ip=[\w.:\-]+)?\)"
+    r"|\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?:(?=\s)"
+    r")")
 
-@dataclass
+
+def _last_segment(line: str) -> str:
+    """What a terminal shows of a line redrawn with carriage returns: its last non-blank segment."""
+    segs = [seg for seg in line.split("\r") if seg.strip()]
+    return segs[-1] if segs else ""
+
+
+def clean_line(line: str) -> str:
+    """One raw log line as the readers should see it (see the module docstring); never spans lines."""
+    if "\r" in line:
+        line = _last_segment(line)
+    if "\x1b" in line or "[" in line:
+        line = _ANSI.sub("", line)
+    pos = 0
+    while True:
+        m = _PREFIX.match(line, pos)
+        if m is None or m.end() == pos:
+            break
+        pos = m.end()
+    return line[pos:].lstrip() if pos else line
+
+
+_PREFIXES_AT_START = re.compile(r"(?m)^(?:" + _PREFIX.pattern.replace(r"\s*(?:", r"[ \t]*(?:", 1) + r")+[ \t]*")
+
+
+def clean_lines(lines: list[str]) -> list[str]:
+    """clean_line over many lines at once: the escapes and prefixes removed by whole-text substitutions
+    (the same result, far faster on a big log); lines with a carriage return are cleaned one by one."""
+    text = "\n".join(lines)
+    if "\r" in text:
+        lines = [_last_segment(ln) if "\r" in ln else ln for ln in lines]
+        text = "\n".join(lines)
+    if "\x1b" in text or "[" in text:
+        text = _ANSI.sub("", text)
+    text = _PREFIXES_AT_START.sub("", text)
+    out = text.split("\n")
+    return out if len(out) == len(lines) else [clean_line(ln) for ln in lines]
+
+
+def key_kind(key: str) -> str | None:
+    """What a key outside metric_keys carries, by its name: 'loss', 'eval_loss', 'grad_norm', 'loss_scale', 'kl' or None.
+
+    `mtp 1 loss`, `value loss`, `actor pg loss`, `loss a` are losses; `model grad norm`, `grad norm actor`
+    grad norms; `grad scale`, `loss scaler`, `scaler` loss scales; `kl`, `approx kl` a KL (checked for
+    NaN only). Config-like names (`max grad norm`, `init loss scale`, `kl coef`, `loss weight`) are
+    settings, not measurements (and a best-so-far tracker's starting +inf is no loss, see _assign); a statistic after the name (`actor loss median`) is still the metric.
+    """
+    toks = normalise_key(_CAMEL.sub(" ", str(key))).split()  # DecoderLoss -> decoder loss
+    if not toks or toks[0] in _SETTING_FIRST or any(t in _SETTING_WORDS for t in toks) or len(toks) > 6:
+        return None
+    if toks[0] == "kl" or toks[-1] == "kl" or "kl" in toks[:2] and "div" in toks:
+        return "kl"
+    if any(t == "losses" or t.endswith("loss") for t in toks):
+        if "scale" in toks or "scaler" in toks:
+            return "loss_scale"
+        return "eval_loss" if any(t in ("eval", "val", "valid", "validation", "test", "dev") for t in toks) else "loss"
+    if any(t.startswith("grad") for t in toks) and any(t.endswith("norm") for t in toks) or "gnorm" in toks:
+        return "grad_norm"
+    if toks in (["scale"], ["scaler"]) or ("scale" in toks and any(t in ("grad", "amp", "fp16", "scaler") for t in toks)):
+        return "loss_scale"
+    return None
+
+
+_CAMEL = re.compile(r"(?<=[a-z])(?=[A-Z])")
+_SETTING_FIRST = {"max", "min", "clip", "init", "initial", "target", "use", "enable"}
+_SETTING_WORDS = {"clipping", "threshold", "coef", "coeff", "weight", "lr", "time", "ms", "sec", "window", "factor", "power"}
+
+
+@dataclass(slots=True)
 class Metric:
     """The known metrics one log line (or one record) carries; `line` is 1-based, `text` verbatim."""
 
@@ -47,6 +135,7 @@ class Metric:
     loss_scale: float | None = None
     scale_cut: bool = False  # the loss scale was cut on this line (not merely reported)
     source: str = ""  # which reader found it: dict, json, pairs, table, scale-cut, tqdm
+    named: dict[str, float] = field(default_factory=dict)  # normalised key -> value, for keys key_kind names
 
     def has(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -57,6 +146,7 @@ class KeyMap:
     """Normalised key -> metric field, from the failure-signals table's metric_keys."""
 
     fields: dict[str, str] = field(default_factory=dict)
+    _slots: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_table(cls, metric_keys) -> "KeyMap":
@@ -69,15 +159,54 @@ class KeyMap:
     def field_of(self, key: str) -> str | None:
         return self.fields.get(normalise_key(key))
 
+    def slot_of(self, key: str) -> str | None:
+        """The Metric field a key fills, "kind:normalised key" for a named one, or None (cached per key)."""
+        try:
+            return self._slots[key]
+        except KeyError:
+            pass
+        name = self.field_of(key)
+        if name is None:
+            kind = self.kind_of(key)
+            name = f"{kind}:{normalise_key(key)}" if kind else None
+        if len(self._slots) < 65536:
+            self._slots[key] = name
+        return name
+
+    def kind_of(self, key: str) -> str | None:
+        k = normalise_key(key)
+        if k in self.fields:
+            return None
+        # "lm loss avg" / "train loss smoothed": a listed key with a statistic or suffix is a named series of it.
+        return _kind_cached(k)
+
+
+@lru_cache(maxsize=4096)
+def _kind_cached(k: str) -> str | None:
+    return key_kind(k)
+
 
 def normalise_key(key: str) -> str:
     """'train/loss' -> 'train loss', "'grad_norm'" -> 'grad norm', '[Loss]' -> 'loss'."""
-    k = re.sub(r"[_/\-.\[\]'\"()]+", " ", str(key)).strip().lower()
-    return re.sub(r"\s+", " ", k)
+    return _normalise(str(key))
+
+
+@lru_cache(maxsize=65536)
+def _normalise(key: str) -> str:
+    return _SPACES.sub(" ", _SEPARATORS.sub(" ", key).strip().lower())
+
+
+_SEPARATORS = re.compile(r"[_/\-.\[\]'\"()]+")
+_SPACES = re.compile(r"\s+")
 
 
 def to_number(value: Any) -> float | None:
     """A logged value as float: 'nan', '-inf', '7.1E-01', '1,024', 1e-5, or None when it is not a number."""
+    if value.__class__ is str:
+        try:
+            return float(value)  # "0.71", "1e-05", "nan", "-inf", "Infinity": the common case, in C
+        except ValueError:
+            pass
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, (int, float)):
@@ -97,8 +226,8 @@ def to_number(value: Any) -> float | None:
 
 def _flatten(obj: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:
     for k, v in obj.items():
-        key = f"{prefix} {k}".strip()
-        if isinstance(v, Mapping):
+        key = f"{prefix} {k}".strip() if prefix else str(k)
+        if isinstance(v, dict) or (not isinstance(v, (str, int, float)) and isinstance(v, Mapping)):
             yield from _flatten(v, key)
         else:
             yield key, v
@@ -106,6 +235,11 @@ def _flatten(obj: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:
 
 def _objects_in(line: str) -> list[str]:
     """Balanced {...} substrings of a line, outermost first (a dict printed inside a tqdm redraw)."""
+    if "{" not in line:
+        return []
+    if line.count("{") == 1 and line.count("}") == 1:
+        a, b = line.index("{"), line.index("}")
+        return [line[a:b + 1]] if a < b else []
     out, depth, start = [], 0, -1
     for i, ch in enumerate(line):
         if ch == "{":
@@ -119,7 +253,15 @@ def _objects_in(line: str) -> list[str]:
     return out
 
 
+# A flat Python-repr dict of numbers and strings (HF Trainer's log lines): read by one regex, not literal_eval.
+_FLAT_VALUE = r"(?:" + _NUM + r"|'[^'\\]*'|None|True|False)"
+_FLAT_DICT = re.compile(r"\{\s*(?:'[^'\\]*'\s*:\s*" + _FLAT_VALUE + r"\s*(?:,\s*|(?=\})))*\}", re.I)
+_FLAT_ITEM = re.compile(r"'([^'\\]*)'\s*:\s*(" + _FLAT_VALUE + r")", re.I)
+
+
 def _load_object(text: str) -> dict | None:
+    if _FLAT_DICT.fullmatch(text):
+        return {k: (v.strip("'") if v.startswith("'") else v) for k, v in _FLAT_ITEM.findall(text)}
     try:
         obj = json.loads(text)
     except ValueError:
@@ -132,8 +274,16 @@ def _load_object(text: str) -> dict | None:
 
 
 def _assign(m: Metric, keys: KeyMap, key: str, value: Any) -> bool:
-    name = keys.field_of(key)
-    if name is None or getattr(m, name) is not None:
+    name = keys.slot_of(key)
+    if name is None:
+        return False
+    if ":" in name:
+        num = to_number(value)
+        if num is None or (num == math.inf and name.partition(":")[2].startswith(("best ", "lowest "))):
+            return False  # a best-so-far tracker starts at +inf before any loss was computed
+        m.named.setdefault(name, num)
+        return True
+    if getattr(m, name) is not None:
         return False
     num = to_number(value)
     if num is None:
@@ -144,6 +294,13 @@ def _assign(m: Metric, keys: KeyMap, key: str, value: Any) -> bool:
 
 def _from_dicts(m: Metric, keys: KeyMap, line: str) -> bool:
     found = False
+    if line.count("{") == 1:
+        a, b = line.index("{"), line.find("}")
+        if a < b and _FLAT_DICT.fullmatch(line, a, b + 1) and "'name'" not in line:
+            # The common case, HF Trainer's flat dict of numbers: straight to the fields.
+            for k, v in _FLAT_ITEM.findall(line, a, b + 1):
+                found |= _assign(m, keys, k, v)
+            return found
     for text in _objects_in(line):
         obj = _load_object(text)
         if obj is None:
@@ -165,6 +322,11 @@ def _from_pairs(m: Metric, keys: KeyMap, line: str) -> bool:
     return found
 
 
+_NUMBER_CELL = re.compile(r"(?:^|[|│\t])\s*[-+]?\.?\d")
+# The pair reader runs only on lines that name a metric the table or key_kind can know.
+_METRIC_WORD = re.compile(r"loss|norm|scal|lr\b|learning|kl|perplexity|ppl|step|iter", re.I)
+
+
 class _Table:
     """A pipe- or tab-separated table: a header row of words, then rows of numbers."""
 
@@ -178,36 +340,40 @@ class _Table:
             self.columns = None
             return False
         cells = [c.strip() for c in line.strip().strip("|").split(sep)]
-        if all(to_number(c) is None for c in cells if c) and any(self.keys.field_of(c) for c in cells):
-            self.columns = [self.keys.field_of(c) for c in cells]
+        if not _NUMBER_CELL.search(line) and all(to_number(c) is None for c in cells if c) and any(
+                self.keys.field_of(c) or self.keys.kind_of(c) for c in cells):
+            self.columns = [c if (self.keys.field_of(c) or self.keys.kind_of(c)) else None for c in cells]
             return False
         if self.columns is None or len(cells) != len(self.columns):
             return False
         found = False
-        for name, cell in zip(self.columns, cells):
-            num = to_number(cell)
-            if name and num is not None and getattr(m, name) is None:
-                setattr(m, name, num)
-                found = True
+        for key, cell in zip(self.columns, cells):
+            if key and to_number(cell) is not None:
+                found |= _assign(m, self.keys, key, cell)
         return found
 
 
 def parse_line(m: Metric, keys: KeyMap, line: str, table: _Table | None = None) -> Metric:
-    """Fill `m` from one line with every reader that applies; the first value found per field wins."""
+    """Fill `m` from one (cleaned) line with every reader that applies; the first value found per field wins."""
     if _from_dicts(m, keys, line):
         m.source = "dict"
     if table is not None and table.feed(m, line):
         m.source = m.source or "table"
-    cut = _SCALE_CUT.search(line)
+    cut = _SCALE_CUT.search(line) if ("educ" in line or "EDUC" in line) else None
     if cut and m.loss_scale is None:
         m.loss_scale, m.scale_cut, m.source = to_number(cut.group(1)), True, m.source or "scale-cut"
-    if not m.source and _from_pairs(m, keys, line):
+    if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
         m.source = "pairs"
-    if m.step is None:
+    if m.step is None and (m.loss is not None or m.grad_norm is not None or m.eval_loss is not None or m.named) and "/" in line:
         t = _TQDM_STEP.search(line)
-        if t and any(m.has(f) for f in ("loss", "grad_norm", "eval_loss")):
+        if t:
             m.step = float(t.group(1))
     return m
+
+
+def carries(m: Metric) -> bool:
+    return bool(m.named or m.loss is not None or m.eval_loss is not None or m.grad_norm is not None or m.lr is not None
+                or m.loss_scale is not None)
 
 
 def parse_text(text: str, keys: KeyMap) -> list[Metric]:
@@ -218,11 +384,28 @@ def parse_text(text: str, keys: KeyMap) -> list[Metric]:
     lines = split_lines(text)
     table = _Table(keys)
     out: list[Metric] = []
-    for i, line in enumerate(lines, 1):
-        m = parse_line(Metric(i, line), keys, line, table)
-        if any(m.has(f) for f in FIELDS if f != "step"):
+    for i, (line, clean) in enumerate(zip(lines, clean_lines(lines)), 1):
+        if not may_carry(clean, table):
+            continue
+        m = parse_line(Metric(i, line), keys, clean, table)
+        if carries(m):
             out.append(m)
     return dedupe(out)
+
+
+# Outside a table, a line carries a metric only if it names one, holds a dict or cuts the loss scale
+# (the words of _METRIC_WORD, as plain substrings).
+_CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "{", "educ")
+
+
+def may_carry(clean: str, table: "_Table") -> bool:
+    """False for a line no reader can take a metric from (most lines of a big log); it ends a table."""
+    if "|" not in clean and "\t" not in clean and "│" not in clean:
+        table.columns = None
+    elif table.columns is not None:
+        return True  # a row of the table whose header was read
+    low = clean.lower()  # `in` is far cheaper than a case-insensitive alternation on every line of a big log
+    return any(w in low for w in _CARRY_WORDS)  # a header names a metric too
 
 
 def parse_records(records: Iterable[Any], keys: KeyMap) -> list[Metric]:
@@ -237,7 +420,7 @@ def parse_records(records: Iterable[Any], keys: KeyMap) -> list[Metric]:
             if v is None and keys.field_of(k) in ("loss", "grad_norm"):
                 v = "nan"
             _assign(m, keys, normalise_key(k), v)
-        if any(m.has(f) for f in FIELDS if f != "step"):
+        if carries(m):
             out.append(m)
     return out
 
@@ -256,7 +439,8 @@ def dedupe(metrics: list[Metric]) -> list[Metric]:
 def _same(a: Metric, b: Metric) -> bool:
     if a.step is None or b.step is None or a.step != b.step:
         return a.text == b.text
-    return all(_eq(getattr(a, f), getattr(b, f)) for f in ("loss", "grad_norm", "eval_loss"))
+    return all(_eq(getattr(a, f), getattr(b, f)) for f in ("loss", "grad_norm", "eval_loss")) and (
+        a.named.keys() == b.named.keys() and all(_eq(a.named[k], b.named[k]) for k in a.named))
 
 
 def _eq(x: float | None, y: float | None) -> bool:

@@ -10,7 +10,7 @@ import bisect
 import math
 import re
 import signal as _signal
-import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -19,13 +19,16 @@ from typing import Any
 import yaml
 
 from finetune_mcp.errors import BadInput, NotFound
-from finetune_mcp.triage.parse import KeyMap, Metric, parse_records, parse_text, split_lines
+from finetune_mcp.triage.parse import KeyMap, Metric, clean_lines, may_carry, parse_records, parse_text, split_lines
 
 SKILL = "dgx-spark-ops"
 MAX_LINES_PER_HIT = 12
+MAX_MARKERS = 400
 # The last "Name: message" line of a traceback, with the rank prefix torchrun adds and the wrapper
 # form Ray prints (RayTaskError(OutOfMemoryError): ...).
 _EXCEPTION = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?(?:[\w]+\.)*((?:[A-Z]\w*)?(?:Error|Exception|Interrupt|Exit))(?:\([\w.]*\))?(?::|\s*$)")
+_EXCEPTION_M = re.compile(r"^[^\w\n]*(?:\[rank\d+\]:[ \t]*)?(?:[\w]+\.)*((?:[A-Z]\w*)?(?:Error|Exception|Interrupt|Exit))(?:\([\w.]*\))?(?::|[ \t]*$)", re.M)
+_EXCEPTION_WORD = re.compile(r"Error|Exception|Interrupt|Exit")
 
 
 # --- the table ---------------------------------------------------------------------------------
@@ -68,6 +71,55 @@ def load_signal_table(path: Path | None = None):
     return load_table("failure-signals", path)
 
 
+def required_literals(pattern: re.Pattern) -> list[list[str]] | None:
+    """Groups of strings such that every match contains one string of each group (lower-cased for a
+    case-insensitive pattern), or None when none can be read off the pattern.
+
+    A big log is scanned chunk by chunk; `in` on a chunk is far faster than a regex that cannot skip
+    ahead (one that starts with ^, \\s or a group), so a pattern whose literals are absent is not run.
+    """
+    try:
+        import re._parser as sre_parse  # Python 3.11+
+        from re._constants import BRANCH, LITERAL, MAX_REPEAT, MIN_REPEAT, SUBPATTERN
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse  # type: ignore
+        from sre_constants import BRANCH, LITERAL, MAX_REPEAT, MIN_REPEAT, SUBPATTERN  # type: ignore
+
+    def seq(items) -> list[list[str]]:
+        groups: list[list[str]] = []
+        run = ""
+
+        def flush():
+            nonlocal run
+            if len(run) >= 3:
+                groups.append([run])
+            run = ""
+
+        for op, av in items:
+            if op is LITERAL:
+                run += chr(av)
+                continue
+            flush()
+            if op is SUBPATTERN:
+                groups.extend(seq(av[-1]))
+            elif op is BRANCH:
+                alts = [seq(b) for b in av[1]]
+                if all(alts):  # one string of each alternative's surest group
+                    groups.append([x for a in alts for x in max(a, key=lambda gr: min(map(len, gr)))])
+            elif op in (MAX_REPEAT, MIN_REPEAT) and av[0] >= 1:
+                groups.extend(seq(av[2]))
+        flush()
+        return groups
+
+    try:
+        groups = seq(sre_parse.parse(pattern.pattern, pattern.flags & ~re.M))
+    except Exception:  # noqa: BLE001 - an unreadable pattern just gets no prefilter
+        return None
+    if not groups:
+        return None
+    return [[x.lower() for x in g] for g in groups] if pattern.flags & re.I else groups
+
+
 class Compiled:
     """The signal table turned into regexes once (multi-line mode, for whole-text scans)."""
 
@@ -75,11 +127,15 @@ class Compiled:
         self.table = table
         self.keys = KeyMap.from_table(table.metric_keys)
         self.line_signals: list[tuple[Any, list[re.Pattern]]] = []
+        self.unless: dict[str, list[re.Pattern]] = {}
         for s in table.signals:
             if s.patterns:
                 flags = re.M | (re.I if s.ignore_case else 0)
                 self.line_signals.append((s, [re.compile(p, flags) for p in s.patterns]))
+                self.unless[s.id] = [re.compile(p, flags) for p in s.unless]
         self.markers = [re.compile(p, re.M) for p in table.failure_markers]
+        self.literals = {p.pattern + str(p.flags): required_literals(p) for _, ps in self.line_signals for p in ps}
+        self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers})
         self.fallback = [(r, re.compile(r.match)) for r in table.fallback]
         self.by_rule = {s.records_rule: s for s in table.signals if s.records_rule}
 
@@ -105,12 +161,44 @@ class Log:
     of a big log; each hit is then confirmed on its own line, so a match never spans two.
     """
 
-    def __init__(self, text: str):
-        self.lines = split_lines(text)
-        self.text = "\n".join(self.lines)
+    def __init__(self, text: str | None = None, *, lines: list[str] | None = None, first_line: int = 1):
+        self.lines = split_lines(text) if lines is None else lines  # verbatim, for evidence
+        self.clean = clean_lines(self.lines)  # what the patterns see (parse.clean_line)
+        self.first_line = first_line  # the 1-based number of lines[0] in the whole log
+        self.text = "\n".join(self.clean)
+        self._lower: str | None = None
+        self._gist: str | None = None
+        self._gist_lower = ""
         self.starts = [0]
-        for ln in self.lines[:-1]:
+        for ln in self.clean[:-1]:
             self.starts.append(self.starts[-1] + len(ln) + 1)
+
+    def may_match(self, pattern: re.Pattern, comp: "Compiled") -> bool:
+        """False when the pattern's required literal is nowhere in this log (see required_literals)."""
+        lits = comp.literals.get(pattern.pattern + str(pattern.flags))
+        if not lits:
+            return True
+        if self._gist is None:
+            # The chunk's distinct lines with digits dropped: a log repeats itself (progress bars, metric
+            # lines differing only in their numbers), so this is far smaller than the text it stands for.
+            bare = self.text.encode("utf-8", "surrogatepass").translate(None, b"0123456789")
+            self._gist = "\n".join(set(bare.decode("utf-8", "replace").split("\n")))
+            self._gist_lower = self._gist.lower()
+        for group in lits:
+            for x in group:
+                if any(ch.isdigit() for ch in x):
+                    hay = self.text if not pattern.flags & re.I else (self._lower or self._lowered())
+                else:
+                    hay = self._gist_lower if pattern.flags & re.I else self._gist
+                if x in hay:
+                    break
+            else:
+                return False
+        return True
+
+    def _lowered(self) -> str:
+        self._lower = self.text.lower()
+        return self._lower
 
     def line_of(self, pos: int) -> int:
         return bisect.bisect_right(self.starts, pos) - 1
@@ -128,7 +216,7 @@ class Log:
                 found.setdefault(first, m)
             else:
                 for i in range(first, self.line_of(m.end() - 1) + 1):
-                    if i not in found and (lm := pattern.search(self.lines[i])):
+                    if i not in found and (lm := pattern.search(self.clean[i])):
                         found[i] = lm
             if first + 1 >= len(self.starts):
                 break
@@ -171,6 +259,7 @@ class Findings:
     stopped_by: str | None = None
     dropped: list[Hit] = field(default_factory=list)  # SIGKILL signs set aside because stop_run sent the kill
     table: Any = None  # the signal table these were found with
+    summary: dict | None = None  # the metrics summary, when `metrics` holds only part of a streamed log
 
     @property
     def failed(self) -> bool:
@@ -190,10 +279,21 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
     for s, pats in comp.line_signals:
         matched: set[int] = set()
         for p in pats:
-            matched |= set(log.scan(p))
+            if log.may_match(p, comp):
+                matched |= set(log.scan(p))
+        unless = comp.unless.get(s.id)
+        if matched and unless:
+            # What the `unless` patterns match is cut from the line; the signal counts if it still matches the rest.
+            matched = {i for i in matched if _still(log.clean[i], pats, unless)}
         if matched:
-            out[s.id] = Hit(s, [(i + 1, log.lines[i]) for i in sorted(matched)])
+            out[s.id] = Hit(s, [(i + log.first_line, log.lines[i]) for i in sorted(matched)][:MAX_LINES_PER_HIT * 4])
     return out
+
+
+def _still(line: str, pats: list[re.Pattern], unless: list[re.Pattern]) -> bool:
+    for u in unless:
+        line = u.sub(" ", line)
+    return any(p.search(line) for p in pats)
 
 
 def exit_fields(exit_info: dict | None) -> tuple[int | None, int | None, str | None]:
@@ -238,91 +338,299 @@ def _finite(x: float | None) -> bool:
 
 def number_hits(metrics: list[Metric], comp: Compiled) -> list[Hit]:
     """The records rules of the table applied to parsed metrics; each hit quotes the lines it rests on."""
-    rules = comp.table.records
-    hits: list[Hit] = []
-
-    def add(rule: str, ms: list[Metric], detail: str):
-        sig = comp.by_rule.get(rule)
-        if sig is not None and ms:
-            hits.append(Hit(sig, [(m.line, m.text) for m in ms][:MAX_LINES_PER_HIT], detail))
-
-    bad = [m for m in metrics if (m.loss is not None and not math.isfinite(m.loss)) or (m.eval_loss is not None and not math.isfinite(m.eval_loss))]
-    add("nonfinite-loss", bad, f"{len(bad)} logged loss value(s) are NaN or infinite")
-    bad = [m for m in metrics if m.grad_norm is not None and not math.isfinite(m.grad_norm)]
-    add("nonfinite-grad-norm", bad, f"{len(bad)} logged grad norm(s) are NaN or infinite")
-    zero = [m for m in metrics if m.loss == 0 and m.grad_norm is not None and math.isnan(m.grad_norm)]
-    add("loss-zero-grad-nan", zero, f"{len(zero)} log(s) show loss exactly 0 with a NaN grad norm")
-
-    finite = [m for m in metrics if _finite(m.loss)]
-    spikes, history = [], []
-    for m in finite:
-        window = history[-rules.spike_window:]
-        if len(window) >= rules.spike_min_history:
-            med = statistics.median(window)
-            if med > 0 and m.loss > rules.spike_factor * med:
-                spikes.append((m, med))
-        history.append(m.loss)
-    if spikes:
-        m, med = spikes[0]
-        add("loss-spike", [s for s, _ in spikes], f"loss {m.loss:g} at line {m.line} is {m.loss / med:.0f}x the running median {med:g}")
-
-    if len(finite) > rules.rise_min_history:
-        last = finite[-1]
-        low = min(finite[:-1], key=lambda m: m.loss)
-        if low.loss > 0 and last.loss >= rules.rise_factor * low.loss and last.loss >= rules.rise_back_to * finite[0].loss:
-            add("loss-rise", [low, last], f"the loss rose from its minimum {low.loss:g} (line {low.line}) to {last.loss:g} "
-                                          f"(line {last.line}), {last.loss / low.loss:.1f}x")
-
-    big = [m for m in metrics if _finite(m.grad_norm) and m.grad_norm >= rules.grad_norm_max]
-    if big:
-        add("grad-norm-explosion", big, f"grad norm reached {max(m.grad_norm for m in big):.3g} (limit {rules.grad_norm_max:g})")
-
-    scales = [m for m in metrics if _finite(m.loss_scale)]
-    floor = [m for i, m in enumerate(scales)
-             if m.loss_scale <= rules.loss_scale_floor and (m.scale_cut or any(p.loss_scale > m.loss_scale for p in scales[:i]))]
-    if floor:
-        add("loss-scale-collapse", floor, f"the loss scale was cut to {min(m.loss_scale for m in floor):g} "
-                                          f"(floor {rules.loss_scale_floor:g}): every step overflows")
-
-    flat = _flat(finite, rules.flat_identical_run, rules.flat_repeat_window, rules.zero_loss_run)
-    if flat:
-        add("flat-loss", flat[0], flat[1])
-    return hits
+    rules = NumberRules(comp)
+    for m in metrics:
+        rules.feed(m)
+    return rules.hits()
 
 
-def _flat(finite: list[Metric], run_len: int, window: int, zero_run: int) -> tuple[list[Metric], str] | None:
-    vals = [m.loss for m in finite]
-    start = 0
-    for i in range(1, len(vals) + 1):
-        if i == len(vals) or vals[i] != vals[start]:
-            if i - start >= (zero_run if vals[start] == 0 else run_len):
-                return finite[start:i], f"the loss stays at exactly {vals[start]:g} for {i - start} consecutive logs"
-            start = i
-    seen: dict[tuple[float, ...], int] = {}
-    for i in range(len(vals) - window + 1):
-        key = tuple(vals[i:i + window])
-        j = seen.get(key)
-        if j is not None and i >= j + window:
-            return finite[j:j + window] + finite[i:i + window], (
-                f"the same {window} losses recur exactly (from line {finite[j].line} and again from {finite[i].line}): the weights are not changing")
-        seen.setdefault(key, i)
-    return None
+class _Series:
+    """One loss series (the training loss, or a named one such as value_loss) as the curve rules need it:
+    bounded state, fed one value at a time, so a log of any length is checked in one pass."""
+
+    def __init__(self, rules):
+        self.rules = rules
+        self.window: deque[float] = deque(maxlen=rules.spike_window)
+        self.spikes: list[tuple[Metric, float]] = []
+        self.first: float | None = None
+        self.count = 0
+        self.low: tuple[float, Metric] | None = None  # the minimum before the last value
+        self.last: Metric | None = None
+        self.last_value: float | None = None
+
+    def feed(self, m: Metric, v: float):
+        r = self.rules
+        if len(self.window) >= r.spike_min_history and v > r.spike_factor * min(self.window):
+            w = sorted(self.window)
+            n = len(w)
+            med = w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
+            if med > 0 and v > r.spike_factor * med and len(self.spikes) < MAX_LINES_PER_HIT:
+                self.spikes.append((m, med))
+        self.window.append(v)
+        if self.last is not None and (self.low is None or self.last_value < self.low[0]):
+            self.low = (self.last_value, self.last)
+        if self.first is None:
+            self.first = v
+        self.last, self.last_value = m, v
+        self.count += 1
+
+    def rise(self) -> tuple[Metric, float, Metric, float] | None:
+        r = self.rules
+        if self.count <= r.rise_min_history or self.low is None:
+            return None
+        low_v, low_m = self.low
+        last_v = self.last_value
+        if low_v > 0 and last_v >= r.rise_factor * low_v and last_v >= r.rise_back_to * self.first:
+            return low_m, low_v, self.last, last_v
+        return None
+
+
+class NumberRules:
+    """The table's records rules over a stream of Metrics: NaN/inf in any loss, grad norm or loss scale
+    (whatever its name), spikes and rises in every loss series, grad-norm explosions, a loss scale cut
+    to its floor or halved step after step once settled, and a loss that stops moving."""
+
+    def __init__(self, comp: Compiled):
+        self.comp = comp
+        self.r = comp.table.records
+        self.nonfinite: list[Metric] = []
+        self.nonfinite_names: dict[str, int] = {}
+        self.grad_bad: list[Metric] = []
+        self.zero_nan: list[Metric] = []
+        self.series: dict[str, _Series] = {}
+        self.big: list[Metric] = []
+        self.big_max = 0.0
+        self.scale_prev: float | None = None
+        self.scale_max: float | None = None
+        self.floor: list[Metric] = []
+        self.floor_min: float | None = None
+        self.settled = 0  # logged scales since the last cut that did not fall (the scaler had settled)
+        self.halving: list[Metric] = []
+        self.halving_best: list[Metric] = []
+        self.halving_from: float | None = None
+        # flat-loss state
+        self.run_vals: list[Metric] = []
+        self.flat: tuple[list[Metric], str] | None = None
+        self.recent: deque[Metric] = deque(maxlen=self.r.flat_repeat_window)
+        self.recent_vals: deque[float] = deque(maxlen=self.r.flat_repeat_window)
+        self.seen_windows: dict[tuple[float, ...], tuple[int, int, str]] = {}
+        self.finite_count = 0
+        # the summary classify reports
+        self.records = 0
+        self.losses = 0
+        self.loss_first = self.loss_min = self.loss_last = None
+        self.grad_norm_max = None
+        self.loss_scale_last = None
+
+    def _bad(self, m: Metric, name: str):
+        self.nonfinite_names[name] = self.nonfinite_names.get(name, 0) + 1
+        if not self.nonfinite or self.nonfinite[-1] is not m:
+            if len(self.nonfinite) < MAX_LINES_PER_HIT:
+                self.nonfinite.append(m)
+
+    def feed(self, m: Metric):
+        self.records += 1
+        losses: list[tuple[str, float]] = []
+        grads: list[tuple[str, float]] = []
+        scales: list[float] = []
+        if m.loss is not None:
+            losses.append(("loss", m.loss))
+            self.losses += 1
+        if m.eval_loss is not None and not math.isfinite(m.eval_loss):
+            self._bad(m, "eval loss")
+        if m.grad_norm is not None:
+            grads.append(("grad norm", m.grad_norm))
+        if m.loss_scale is not None:
+            scales.append(m.loss_scale)
+        for key, v in m.named.items():
+            kind, _, name = key.partition(":")
+            if kind == "loss":
+                losses.append((name, v))
+            elif kind in ("eval_loss", "kl"):
+                if not math.isfinite(v):
+                    self._bad(m, name)
+            elif kind == "grad_norm":
+                grads.append((name, v))
+            elif kind == "loss_scale" and m.loss_scale is None:
+                scales.append(v)
+        for name, v in losses:
+            if not math.isfinite(v):
+                self._bad(m, name)
+            elif v >= 0 or name == "loss":
+                se = self.series.get(name)
+                if se is None:
+                    se = self.series[name] = _Series(self.r)
+                se.feed(m, v)
+        for name, v in grads:
+            if not math.isfinite(v):
+                if len(self.grad_bad) < MAX_LINES_PER_HIT and (not self.grad_bad or self.grad_bad[-1] is not m):
+                    self.grad_bad.append(m)
+                self.nonfinite_names[name] = self.nonfinite_names.get(name, 0) + 1
+            elif v >= self.r.grad_norm_max:
+                if len(self.big) < MAX_LINES_PER_HIT and (not self.big or self.big[-1] is not m):
+                    self.big.append(m)
+                self.big_max = max(self.big_max, v)
+            if math.isfinite(v):
+                self.grad_norm_max = v if self.grad_norm_max is None else max(self.grad_norm_max, v)
+        if m.loss == 0 and m.grad_norm is not None and math.isnan(m.grad_norm) and len(self.zero_nan) < MAX_LINES_PER_HIT:
+            self.zero_nan.append(m)
+        for v in scales[:1]:
+            if _finite(v):
+                self._scale(m, v)
+        if _finite(m.loss):
+            self._flat(m)
+            self.loss_last = m.loss
+            self.loss_first = m.loss if self.loss_first is None else self.loss_first
+            self.loss_min = m.loss if self.loss_min is None else min(self.loss_min, m.loss)
+
+    def _scale(self, m: Metric, v: float):
+        r = self.r
+        prev = self.scale_prev
+        if v <= r.loss_scale_floor and (m.scale_cut or (self.scale_max is not None and self.scale_max > v)):
+            if len(self.floor) < MAX_LINES_PER_HIT:
+                self.floor.append(m)
+            self.floor_min = v if self.floor_min is None else min(self.floor_min, v)
+        if prev is not None and v <= prev / 2 * 1.0001:
+            if not self.halving:
+                self.halving_from = prev if self.settled >= r.scale_settled_logs else None
+            self.halving.append(m)
+            if self.halving_from is not None and len(self.halving) > len(self.halving_best):
+                self.halving_best = list(self.halving[:MAX_LINES_PER_HIT])
+            self.settled = 0
+        elif prev is not None and v < prev:
+            self.halving = []
+            self.settled = 0
+        else:
+            self.halving = []
+            if prev is not None:
+                self.settled += 1
+        self.scale_prev = v
+        self.scale_max = v if self.scale_max is None else max(self.scale_max, v)
+        self.loss_scale_last = v
+
+    def _flat(self, m: Metric):
+        r = self.r
+        self.finite_count += 1
+        if self.flat is not None:
+            return
+        if self.run_vals and self.run_vals[0].loss != m.loss:
+            self._close_run()
+            self.run_vals = []
+        self.run_vals.append(m)
+        self.recent.append(m)
+        self.recent_vals.append(m.loss)
+        if len(self.recent_vals) == r.flat_repeat_window:
+            key = tuple(self.recent_vals)
+            i = self.finite_count - r.flat_repeat_window
+            have = self.seen_windows.get(key)
+            if have is not None and i >= have[0] + r.flat_repeat_window:
+                first = Metric(have[1], have[2])
+                self.flat = ([first] + list(self.recent), f"the same {r.flat_repeat_window} losses recur exactly (from line {first.line} "
+                                                          f"and again from {self.recent[0].line}): the weights are not changing")
+            elif have is None and len(self.seen_windows) < MAX_WINDOWS:
+                self.seen_windows[key] = (i, self.recent[0].line, self.recent[0].text)
+
+    def _close_run(self):
+        r = self.r
+        if self.flat is None and self.run_vals:
+            v = self.run_vals[0].loss
+            if len(self.run_vals) >= (r.zero_loss_run if v == 0 else r.flat_identical_run):
+                self.flat = (self.run_vals[:MAX_LINES_PER_HIT], f"the loss stays at exactly {v:g} for {len(self.run_vals)} consecutive logs")
+
+    def summary(self) -> dict:
+        out: dict = {"records": self.records, "losses": self.losses}
+        if self.loss_first is not None:
+            out.update(loss_first=self.loss_first, loss_min=self.loss_min, loss_last=self.loss_last)
+        if self.grad_norm_max is not None:
+            out["grad_norm_max"] = self.grad_norm_max
+        if self.loss_scale_last is not None:
+            out["loss_scale_last"] = self.loss_scale_last
+        return out
+
+    def hits(self) -> list[Hit]:
+        comp, r = self.comp, self.r
+        out: list[Hit] = []
+
+        def add(rule: str, ms: list[Metric], detail: str):
+            sig = comp.by_rule.get(rule)
+            if sig is not None and ms:
+                out.append(Hit(sig, [(m.line, m.text) for m in ms][:MAX_LINES_PER_HIT], detail))
+
+        def names(pick) -> str:
+            ks = [k for k in self.nonfinite_names if pick(k)]
+            return ", ".join(ks[:6])
+
+        grad_names = {k for k in self.nonfinite_names if "norm" in k}
+        add("nonfinite-loss", self.nonfinite, f"non-finite (NaN or inf) values in {names(lambda k: k not in grad_names)}")
+        add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
+        add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
+        spikes = [(name, sp) for name, se in self.series.items() for sp in se.spikes]
+        if spikes:
+            name, (m, med) = min(spikes, key=lambda x: x[1][0].line)
+            what = "loss" if name == "loss" else name
+            add("loss-spike", sorted({sp[0].line: sp[0] for _, sp in spikes}.values(), key=lambda x: x.line),
+                f"{what} {_value(m, name):g} at line {m.line} is {_value(m, name) / med:.1f}x the running median {med:g}")
+        for name, se in self.series.items():
+            rise = se.rise()
+            if rise:
+                low_m, low_v, last_m, last_v = rise
+                what = "the loss" if name == "loss" else name
+                add("loss-rise", [low_m, last_m], f"{what} rose from its minimum {low_v:g} (line {low_m.line}) to {last_v:g} "
+                                                  f"(line {last_m.line}), {last_v / low_v:.1f}x")
+                break
+        if self.big:
+            add("grad-norm-explosion", self.big, f"grad norm reached {self.big_max:.3g} (limit {r.grad_norm_max:g})")
+        if self.floor:
+            add("loss-scale-collapse", self.floor, f"the loss scale was cut to {self.floor_min:g} "
+                                                   f"(floor {r.loss_scale_floor:g}): every step overflows")
+        if len(self.halving_best) >= r.scale_halving_run:
+            ms = self.halving_best
+            add("loss-scale-halving", ms, f"the loss scale halved {len(ms)} logs in a row after it had settled "
+                                          f"({_scale_of(ms[0]) * 2:g} down to {_scale_of(ms[-1]):g}): fp16 overflow at every step")
+        self._close_run()
+        if self.flat:
+            add("flat-loss", self.flat[0], self.flat[1])
+        return out
+
+
+# Windows remembered for the recurring-losses rule: a repeat further apart than this many logs goes unseen.
+MAX_WINDOWS = 20_000
+
+
+def _scale_of(m: Metric) -> float:
+    if m.loss_scale is not None:
+        return m.loss_scale
+    return next((v for k, v in m.named.items() if k.startswith("loss_scale:")), math.nan)
+
+
+def _value(m: Metric, name: str) -> float:
+    return m.loss if name == "loss" else m.named.get(f"loss:{name}", math.nan)
 
 
 # --- failure evidence --------------------------------------------------------------------------
 
 
 def last_exception(log: Log) -> tuple[int, str] | None:
-    for i in range(len(log.lines) - 1, -1, -1):
-        if _EXCEPTION.match(log.lines[i]):
-            return i + 1, log.lines[i]
-    return None
+    if not _EXCEPTION_WORD.search(log.text):
+        return None
+    last = None
+    for last in _EXCEPTION_M.finditer(log.text):
+        pass
+    if last is None:
+        return None
+    i = log.line_of(last.start())
+    return i + log.first_line, log.lines[i]
+
+
+def last_traceback(log: Log) -> int | None:
+    pos = log.text.rfind("Traceback (most recent call last)")
+    return None if pos < 0 else log.line_of(pos) + log.first_line
 
 
 def traceback_cut(log: Log, exception: tuple[int, str] | None) -> bool:
     """A traceback header with no exception line after it: the excerpt stops inside the traceback."""
-    heads = [i for i, ln in enumerate(log.lines, 1) if "Traceback (most recent call last)" in ln]
-    return bool(heads) and (exception is None or exception[0] < heads[-1])
+    head = last_traceback(log)
+    return head is not None and (exception is None or exception[0] < head)
 
 
 def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: list[tuple[int, str]]):
@@ -359,14 +667,130 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
             have.detail = have.detail or h.detail
     marked: set[int] = set()
     for m in comp.markers:
-        marked |= set(log.scan(m))
-    markers = [(i + 1, log.lines[i]) for i in sorted(marked)]
+        if log.may_match(m, comp):
+            marked |= set(log.scan(m))
+    markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
     exc = last_exception(log)
     dropped: list[Hit] = []
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table)
+
+
+# A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
+# bounded by the chunk, whatever the log's size (triage_failure on a 100 MB log: bench/bench_triage_big.py).
+WHOLE_BYTES = 8 << 20
+CHUNK_BYTES = 2 << 20
+
+
+def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
+    """find() over a log file of any size: a small one read whole, a big one streamed once, chunk by chunk.
+
+    Every chunk gets the same word scan, failure markers and metric parsing as a whole log; the numeric
+    rules run over the whole curve (NumberRules keeps bounded state), the exception and traceback are the
+    last ones in the file (the tail), and evidence lines keep their line numbers in the whole file.
+    """
+    import os
+
+    path = str(path)
+    if os.path.getsize(path) <= WHOLE_BYTES:
+        with open(path, "rb") as fh:
+            return find(fh.read().decode("utf-8", errors="replace"), exit_info=exit_info, table=table)
+    comp = compiled(table)
+    code, sig_no, stopped_by = exit_fields(exit_info)
+    by_id: dict[str, Hit] = {}
+    rules = NumberRules(comp)
+    table_state = _TableState(comp.keys)
+    markers: list[tuple[int, str]] = []
+    exc: tuple[int, str] | None = None
+    head: int | None = None
+    tail_metrics: list[Metric] = []
+    prev: Metric | None = None
+    first_line = 1
+    with open(path, "rb") as fh:
+        carry = b""
+        while True:
+            block = fh.read(CHUNK_BYTES)
+            data = carry + block
+            if not data:
+                break
+            cut = data.rfind(b"\n") if block else len(data) - 1
+            if cut < 0:
+                carry = data
+                continue
+            chunk, carry = data[:cut + 1], data[cut + 1:]
+            log = Log(lines=split_lines(chunk.decode("utf-8", errors="replace")), first_line=first_line)
+            for k, h in word_hits(log, comp).items():
+                have = by_id.get(k)
+                if have is None:
+                    by_id[k] = h
+                elif len(have.lines) < MAX_LINES_PER_HIT * 4:
+                    have.lines.extend(h.lines[:MAX_LINES_PER_HIT * 4 - len(have.lines)])
+            marked: set[int] = set()
+            for m in comp.markers:
+                if log.may_match(m, comp):
+                    marked |= set(log.scan(m))
+            markers = _ends(markers + [(i + first_line, log.lines[i]) for i in sorted(marked)])
+            exc = last_exception(log) or exc
+            head = last_traceback(log) or head
+            tail_metrics = []
+            table = table_state.table
+            for i, clean in enumerate(log.clean):
+                if not may_carry(clean, table):
+                    continue
+                m = table_state.parse(Metric(i + first_line, log.lines[i]), clean)
+                if m is None or (prev is not None and _same_metric(prev, m)):
+                    continue
+                rules.feed(m)
+                tail_metrics.append(m)
+                prev = m
+            first_line += len(log.lines)
+            if not block:
+                break
+    for k, h in exit_hits(comp, code, sig_no, stopped_by).items():
+        have = by_id.setdefault(k, h)
+        have.detail = have.detail or h.detail
+    for h in rules.hits():
+        have = by_id.get(h.id)
+        if have is None:
+            by_id[h.id] = h
+        else:
+            have.lines = sorted(set(have.lines) | set(h.lines))
+            have.detail = have.detail or h.detail
+    dropped: list[Hit] = []
+    if stopped_by:
+        dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
+        by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
+    cut_short = head is not None and (exc is None or exc[0] < head)
+    return Findings(list(by_id.values()), tail_metrics, markers, exc, cut_short, code, sig_no, stopped_by, dropped, comp.table,
+                    summary=rules.summary())
+
+
+class _TableState:
+    """parse_line with its table reader kept across chunks; None for a line that carries no metric."""
+
+    def __init__(self, keys: KeyMap):
+        from finetune_mcp.triage.parse import _Table
+
+        self.keys, self.table = keys, _Table(keys)
+
+    def parse(self, m: Metric, clean: str) -> Metric | None:
+        from finetune_mcp.triage.parse import carries, parse_line
+
+        parse_line(m, self.keys, clean, self.table)
+        return m if carries(m) else None
+
+
+def _same_metric(a: Metric, b: Metric) -> bool:
+    from finetune_mcp.triage.parse import _same
+
+    return _same(a, b)
+
+
+def _ends(items: list, most: int = MAX_MARKERS) -> list:
+    """The first and last most/2 of a long list (the first failure and the last frames both matter)."""
+    return items if len(items) <= most else items[:most // 2] + items[-(most // 2):]
 
 
 def find_in_records(records: list, *, table=None) -> Findings:

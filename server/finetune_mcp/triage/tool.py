@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from finetune_mcp.errors import BadInput, NotFound
-from finetune_mcp.triage.classify import Classification, classify_records, classify_text
+from finetune_mcp.triage.classify import Classification, classify_file, classify_records, classify_text
 from finetune_mcp.triage.remedies import (
     divergence_causes,
     find_value,
@@ -58,8 +58,7 @@ def triage_log_file(path: Path, *, platform: str | None = None):
     path = Path(path)
     if not path.is_file():
         raise NotFound(f"no log file at {path}", where=str(path), fix="pass the path of a training log (stdout.log or similar)")
-    text = path.read_bytes().decode("utf-8", errors="replace")
-    c = classify_text(text, platform=platform)
+    c = classify_file(path, platform=platform)
     rung = oom_next_rung([]) if c.failure_class == "oom" else None
     causes = divergence_causes({}, None, {}, None) if c.failure_class == "divergence" else []
     for cc in causes:
@@ -102,6 +101,37 @@ def _progress_records(progress: Path) -> tuple[list[dict], list[tuple[int, str]]
     return recs, lines
 
 
+def _memory_reading(progress: Path, env_report: dict | None) -> dict | None:
+    """Memory in use near the end of a run (the highest mem_gb of its last progress records) and the limit it
+    ran against (the GPU's total, or the host's on a unified-memory or GPU-less machine, from env-report.json)."""
+    if not progress.is_file():
+        return None
+    with progress.open("rb") as fh:
+        fh.seek(0, 2)
+        fh.seek(max(0, fh.tell() - 64 * 1024))
+        tail = fh.read().decode("utf-8", errors="replace").splitlines()[-5:]
+    used = []
+    for raw in tail:
+        try:
+            v = json.loads(raw).get("mem_gb")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            used.append(float(v))
+    if not used or not env_report:
+        return {"used_gb": max(used)} if used else None
+    from finetune_mcp.phases.preflight import gpus
+
+    observed = env_report.get("observed") or {}
+    gs = gpus(observed)
+    limit = None
+    if gs and not any(g.unified for g in gs):
+        limit = min((g.total_gb for g in gs if g.total_gb), default=None)
+    if limit is None:
+        limit = ((observed.get("host") or {}).get("memory") or {}).get("total_gb")
+    return {"used_gb": max(used), "limit_gb": limit}
+
+
 def triage_failure(pc, run_id: str | None = None, log_path: str | None = None):
     """The triage_failure tool: exactly one of run_id (a run of ours) or log_path (any training log)."""
     from finetune_mcp.phases.run import run_config
@@ -119,12 +149,13 @@ def triage_failure(pc, run_id: str | None = None, log_path: str | None = None):
     platform = (env_report or {}).get("platform")
     exit_info = _read_json(run_dir / "exit.json")
     log = run_dir / "logs" / "stdout.log"
-    text = log.read_bytes().decode("utf-8", errors="replace") if log.is_file() else ""
-    c = classify_text(text, exit_info=exit_info, platform=platform)
+    progress = run_dir / "logs" / "progress.jsonl"
+    memory = _memory_reading(progress, env_report)
+    c = (classify_file(log, exit_info=exit_info, platform=platform, memory=memory) if log.is_file()
+         else classify_text("", exit_info=exit_info, platform=platform, memory=memory))
     evidence = [EvidenceLine(file=str(log), line=n, text=t) for n, t in c.evidence]
 
     # A run that never raised can still have diverged: its progress records show it.
-    progress = run_dir / "logs" / "progress.jsonl"
     if c.failure_class == "none" and progress.is_file():
         recs, lines = _progress_records(progress)
         rc = classify_records(recs)
