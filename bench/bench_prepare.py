@@ -2,6 +2,7 @@
 
     /work/main/.venv/bin/python bench/bench_prepare.py              # 50k examples, seq 512
     /work/main/.venv/bin/python bench/bench_prepare.py --n 5000     # quicker
+    /work/main/.venv/bin/python bench/bench_prepare.py --real       # real public files: the long_records table
 
 Builds the embedded model into a temporary DGX_SPARK_ROOT, writes two synthetic sets of N examples from
 finetune_mcp.embedded.task, and for each runs, side by side:
@@ -77,6 +78,45 @@ BASELINE = textwrap.dedent('''
 ''')
 
 
+REAL = HERE.parent / "tests" / "fixtures" / "datasets" / "real"
+REAL_CASES = [("alpaca_en_demo.json", "sft-lora"), ("alpaca_en_demo.parquet", "sft-lora"), ("dpo_en_demo.json", "dpo"),
+              ("kto_en_demo.json", "kto"), ("glaive_toolcall_en_demo.json", "sft-lora"), ("identity.json", "sft-lora"),
+              ("c4_demo.jsonl", "sft-lora"), ("v1_sft_demo.jsonl", "sft-lora"), ("fastchat_dummy_conversation.json", "sft-lora"),
+              ("gsm8k_chat_train.jsonl", "sft-lora"), ("orca_dpo_pairs_validation.jsonl", "dpo"), ("orca_dpo_pairs_trl.parquet", "dpo")]
+
+
+def real_table() -> int:
+    """Each real file through jobs/prepare_data.prepare in this process (the job prepare_dataset runs), SmolLM2's
+    tokenizer, 256 and 512 tokens, both long_records policies that keep data; one markdown row per run."""
+    from finetune_mcp.jobs.prepare_data import prepare
+    from finetune_mcp.skills import load_skills
+
+    from bench_memory import ensure_smollm2
+
+    model = ensure_smollm2()
+    sk = load_skills()
+    tables = {t: sk.table("dataset-curation", t).model_dump(mode="json") for t in ("formats", "validation", "collapse")}
+    head = ["file", "method", "seq", "long_records", "in", "kept", "dropped", "truncated", "cut in answer", "dedup", "trained tokens", "s", "refused"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    out = Path(tempfile.mkdtemp(prefix="bench-real-"))
+    for f, method in REAL_CASES:
+        for seq in (256, 512):
+            for policy in ("drop", "truncate"):
+                P = {"name": "t", "source": {"kind": "path", "path": str(REAL / f)}, "model_path": str(model), "method": method,
+                     "max_seq_length": seq, "packing": False, "eval_fraction": 0.05, "seed": 0, "out_dir": str(out / f"{f}-{seq}-{policy}"),
+                     "tables": tables, "long_records": policy,
+                     "fill": {"name": "Ada", "author": "Example Labs"} if f in ("identity.json", "v1_sft_demo.jsonl") else {}}
+                t = time.perf_counter()
+                r = prepare(P)
+                c, lr = r.get("counts") or {}, r.get("long_records") or {}
+                err = next((p for p in r.get("problems", []) if p["severity"] == "error"), None)
+                cells = [f, method, seq, policy, c.get("read"), c.get("kept") if r["ok"] else 0, c.get("dropped_long", 0), c.get("truncated", 0),
+                         lr.get("cut_inside_answer", 0), c.get("dropped_exact_duplicates", 0), (r.get("tokens") or {}).get("trained_tokens") if r["ok"] else 0,
+                         f"{time.perf_counter() - t:.1f}", "" if r["ok"] else f"{err['code']}: {err['message'][:80]}".replace("|", "/")]
+                print("| " + " | ".join(str(x) for x in cells) + " |", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=50_000)
@@ -85,7 +125,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
                     help="smollm2: SmolLM2-135M-Instruct's real tokenizer and template (masked by derived spans), identity chats")
+    ap.add_argument("--real", action="store_true", help="the real public files of tests/fixtures/datasets/real/ through the job, on "
+                    "SmolLM2's tokenizer, at seq 256 and 512 under long_records drop and truncate: the file x method x length table")
     a = ap.parse_args()
+    if a.real:
+        return real_table()
     a.out = a.out or str(HERE / "results" / f"bench_prepare{'' if a.model == 'tiny' else '_' + a.model}.json")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))

@@ -35,13 +35,16 @@ def context(ws: Workspace, progress=None) -> PhaseContext:
     return pc.with_progress(progress) if progress else pc
 
 
-def write_brief(ws: Workspace, method: str, seq: int | None = None, packing: bool | None = None) -> Path:
+def write_brief(ws: Workspace, method: str, seq: int | None = None, packing: bool | None = None, extra: str = "") -> Path:
+    """The sample brief for method; extra: `key: value` lines added under ## Dataset Expectation."""
     text = task.sample_brief(method)
+    if extra:
+        text = re.sub(r"(## Dataset Expectation\n(?:.*\n)*?\n)", lambda m: m.group(1) + extra.strip() + "\n", text, count=1)
     if seq is not None:
         text = text.replace("max_seq_length: 64", f"max_seq_length: {seq}")
     if packing is not None:
         text = re.sub(r"packing: \w+", f"packing: {str(packing).lower()}", text)
-    p = ws.root / "briefs" / f"{method}-{seq}.md"
+    p = ws.root / "briefs" / f"{method}-{seq}-{abs(hash(extra)) % 10**6}.md"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text)
     return p
@@ -172,7 +175,7 @@ def test_dpo_pairs_are_templated_with_loss_on_both_completions(ws):
 
 
 LIGHT = [
-    # fixture, method, code, line, field
+    # fixture, method, code, line, field (exact-duplicates: the brief states the set synthetic; see the next test for the rest)
     ("malformed-json.jsonl", "sft-lora", "malformed-json", 7, None),
     ("invalid-utf8.jsonl", "sft-lora", "invalid-utf8", 5, None),
     ("missing-field.jsonl", "sft-lora", "missing-field", 9, "messages"),
@@ -186,8 +189,7 @@ LIGHT = [
 ]
 # These need the tokenizer or the whole set, so they are found in the worker child.
 CHILD = [
-    ("too-long.jsonl", "sft-lora", 64, "too-long", 21, "messages"),
-    ("no-trained-tokens.jsonl", "sft-lora", 64, "no-trained-tokens", 12, "messages"),
+    ("too-long.jsonl", "sft-lora", 64, "too-long", 21, "messages"),  # long_records: refuse
     ("near-duplicates.jsonl", "sft-lora", 256, "near-duplicate", 28, "messages"),
     ("collapsed.jsonl", "sft-lora", 128, "collapse-top-opening-share", None, "trained text"),
 ]
@@ -217,13 +219,15 @@ def test_bad_records_are_refused_before_any_child_starts(ws, fixture, method, co
         raise AssertionError("the light pass should have refused these records without starting a worker")
 
     monkeypatch.setattr(worker, "run_job", no_child)
-    res = prepare_dataset(context(ws), str(write_brief(ws, method)), str(FIX / fixture))
+    extra = "provenance: synthetic" if code == "exact-duplicate" else ""
+    res = prepare_dataset(context(ws), str(write_brief(ws, method, extra=extra)), str(FIX / fixture))
     assert_refused(ws, res, code, line, field, fixture)
 
 
 @pytest.mark.parametrize("fixture,method,seq,code,line,field", CHILD, ids=[c[3] for c in CHILD])
 def test_bad_sets_found_by_the_worker_leave_nothing_behind(ws, fixture, method, seq, code, line, field):
-    res = prepare_dataset(context(ws), str(write_brief(ws, method, seq=seq)), str(FIX / fixture))
+    extra = "long_records: refuse" if code == "too-long" else ""
+    res = prepare_dataset(context(ws), str(write_brief(ws, method, seq=seq, extra=extra)), str(FIX / fixture))
     if code.startswith("collapse-"):
         # A set-level verdict: it names where the pattern occurs, not one record.
         err = next(p for p in res.problems if p.code == code and p.severity == "error")

@@ -137,8 +137,10 @@ class Report:
         self.weights: Counter = Counter()
 
     def to_dict(self) -> dict:
-        return {"notes": dict(self.notes), "left_out_columns": dict(self.left_out), "filled": dict(self.filled),
-                "message_weights": dict(self.weights)}
+        # Sorted: a record's notes are a set, so first-seen order would follow string hashing and meta.json
+        # would differ between two runs of data/prepare.py.
+        return {"notes": dict(sorted(self.notes.items())), "left_out_columns": dict(sorted(self.left_out.items())),
+                "filled": dict(sorted(self.filled.items())), "message_weights": dict(sorted(self.weights.items()))}
 
 
 class Cx:

@@ -537,12 +537,15 @@ def check_records(
     fill: dict[str, str] | None = None,
     keep_placeholders: bool = False,
     needs_reference: bool = True,
+    provenance: str | None = None,
 ) -> Checked:
     """Convert, validate and normalise every row. Structural problems are errors; exact duplicates are dropped
     (warning, or error above the skill's share). Raises JobError(BadInput) when the shape cannot fit.
 
     fill: {{name}} placeholders to fill before anything else (the brief's `fill:`); placeholders left over are
-    errors unless keep_placeholders. needs_reference: whether GRPO's rewards need a reference-answer column."""
+    errors unless keep_placeholders. needs_reference: whether GRPO's rewards need a reference-answer column.
+    provenance: what the brief or the data's card states (None: unstated); a many-copies set fails only when it is
+    stated synthetic, the collapse the guard exists for; otherwise the copies are removed and reported."""
     refs = formats["reference_fields"]
     roles = formats["roles"]
     role_map = next((c["role_map"] for c in formats["conversions"] if c["id"] == "sharegpt-to-messages"), {})
@@ -578,6 +581,7 @@ def check_records(
     labels = {True: 0, False: 0}
 
     dup_where: list[str] = []
+    dups: list[dict] = []
     for idx, (row, (f, line)) in enumerate(zip(raw.rows, raw.origins)):
         at = {"file": f, "line": line, "record": idx}
         if not isinstance(row, dict):
@@ -644,6 +648,8 @@ def check_records(
             if first is not None:
                 dropped["exact-duplicate"] += 1
                 dup_where.append(f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}")
+                dups.append({"where": dup_where[-1], "record": idx,
+                             "same_as": f"{Path(first[0]).name}:{first[1]}" if first[1] else f"{Path(first[0]).name} record {first[2]}"})
                 sink.warn("exact-duplicate", f"same record as line {first[1]}" if first[1] else f"same record as record {first[2]}",
                           field=main_field(fmt), **at)
                 continue
@@ -657,9 +663,14 @@ def check_records(
     rules = validation["share_rules"]
     rule = rules["exact-duplicate"]
     share = dropped["exact-duplicate"] / max(n_read, 1)
-    if dropped["exact-duplicate"] and share > rule["fail_above"]:
-        sink.error("exact-duplicate", field=main_field(fmt), message=f"{dropped['exact-duplicate']} of {n_read} records ({share:.1%}) are exact duplicates, "
-                   f"above the {rule['fail_above']:.0%} the skill allows ({', '.join(dup_where[:8])}{' and more' if len(dup_where) > 8 else ''})")
+    if dropped["exact-duplicate"]:
+        said = (f"{dropped['exact-duplicate']} of {n_read} records ({share:.1%}) are exact duplicates of an earlier record "
+                f"({', '.join(dup_where[:8])}{f' and {len(dup_where) - 8} more' if len(dup_where) > 8 else ''})")
+        if share > rule["fail_above"] and provenance == "synthetic":
+            sink.error("exact-duplicate", field=main_field(fmt), message=f"{said}, above the {rule['fail_above']:.0%} the skill allows in a "
+                       "synthetic set: a generator repeating itself; deduplicate at the source, or state `provenance: curated` if people chose these records")
+        else:
+            sink.warn("duplicates-removed", field=main_field(fmt), message=f"{said}: the first copy of each is kept, the rest removed")
     for name, where in unfilled.items():
         # One line per placeholder with every place it was left, so a forgotten fill is fixed in one edit.
         sink.error("placeholder", f"{{{{{name}}}}} is left unfilled in {len(where)} record(s) ({', '.join(where[:8])}"
@@ -675,7 +686,7 @@ def check_records(
     conv_report = {"source_shape": shape, "steps": path, **report.to_dict(),
                    "filled": {k: {"value": fill[k], "records": n} for k, n in report.filled.items()}}
     return Checked(records, origins, shape, fmt, " → ".join(path) or None, n_read, dropped, ref_field, sink,
-                   extra={"labels": labels if fmt == "kto" else None, "keys": keys, "report": conv_report})
+                   extra={"labels": labels if fmt == "kto" else None, "keys": keys, "report": conv_report, "duplicates": dups})
 
 
 def _validate(row: dict, fmt: str, at: dict, sink: Sink, roles: list[str], refs: list[str], raw: Raw,

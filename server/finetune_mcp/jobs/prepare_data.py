@@ -631,6 +631,157 @@ def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink, prov
     return verdicts
 
 
+# ---------------------------------------------------------------- records longer than max_seq_length
+
+
+def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
+    """(prompt, answer) token budgets within cutoff_len: LLaMA-Factory's own rule
+    (src/llamafactory/data/processor/processor_utils.py, infer_seqlen). A short answer is kept whole, a short
+    prompt is kept whole, else both shrink in proportion to their lengths."""
+    if target_len * 2 < cutoff_len:
+        max_target_len = cutoff_len
+    elif source_len * 2 < cutoff_len:
+        max_target_len = cutoff_len - source_len
+    else:
+        max_target_len = int(cutoff_len * (target_len / (source_len + target_len)))
+    new_target_len = min(max_target_len, target_len)
+    new_source_len = min(max(cutoff_len - new_target_len, 0), source_len)
+    return new_source_len, new_target_len
+
+
+def _cut_front(tok, text: str, drop: int) -> str:
+    """text without its first `drop` tokens (cut at a token's first character)."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    offs = enc["offset_mapping"]
+    if drop >= len(offs):
+        return ""
+    return text[offs[drop][0]:]
+
+
+def cut_prompt(tp: "Templater", rec: dict, keep: int, floor: int = 16) -> dict:
+    """rec with its prompt shortened from the start until the templated prompt has at most `keep` tokens (the end of
+    the prompt, the question, stays next to the answer). Earlier exchanges go whole; a system turn is kept; the last
+    turn keeps at least its last `floor` tokens, so the result may still exceed `keep` (the caller checks what fits)."""
+    prompt = rec["prompt"]
+    for _ in range(12):
+        n = len(tp.prompt_only(prompt, rec))
+        if n <= keep:
+            break
+        over = n - keep
+        if isinstance(prompt, str):
+            ntok = len(tp.tok(prompt, add_special_tokens=False)["input_ids"])
+            cut = min(over, ntok - floor)
+            if cut <= 0:
+                break
+            prompt = _cut_front(tp.tok, prompt, cut)
+            continue
+        msgs = list(prompt)
+        j = next((k for k, m in enumerate(msgs) if m.get("role") != "system" and isinstance(m.get("content"), str) and m["content"]), None)
+        if j is None:
+            break
+        content = msgs[j]["content"]
+        ntok = len(tp.tok(content, add_special_tokens=False)["input_ids"])
+        if over >= ntok and j + 2 < len(msgs):
+            # The whole earliest exchange goes (a user turn and the reply to it), so the turns still alternate.
+            prompt = msgs[:j] + msgs[j + 2:]
+            continue
+        cut = min(over, ntok - floor)
+        if cut <= 0:
+            break
+        msgs[j] = {**msgs[j], "content": _cut_front(tp.tok, content, cut)}
+        prompt = msgs
+    return {**rec, "prompt": prompt}
+
+
+def apply_length_policy(tp: "Templater", records: list, seqs: list, origins, fmt: str, seq_len: int, policy: str, sink: R.Sink) -> dict:
+    """What happens to the records longer than seq_len, by the brief's long_records policy:
+
+    drop (the default, Axolotl's way): the record is left out; refuse: each one is an error; truncate: a prompt is cut
+    from its start to LLaMA-Factory's prompt budget (records[i] and seqs[i] are replaced), the answer is cut at
+    seq_len by the trainer's own keep_start truncation, which also cuts its end-of-turn token, so the model is never
+    taught to stop where the cut fell; conversations and text are cut at seq_len by the trainer, and a record
+    left with no trained token is dropped. Every kept record keeps trained answer tokens. The caller refuses the set
+    only when too few records are left to train on."""
+    rec_len = [max((len(p[1]) for p in parts), default=0) for parts in seqs]
+    q = _stats(rec_len)
+    out = {"policy": policy, "max_seq_length": seq_len, "records": len(records), "record_lengths": q,
+           "max_seq_length_for": {"95%": q["p95"], "99%": q["p99"], "100%": q["max"]},
+           "dropped": [], "truncated": [], "cut_inside_answer": 0, "tokens_cut": 0}
+    over_idx = [i for i, L in enumerate(rec_len) if L > seq_len]
+    dropped: set[int] = set()
+    field = R.main_field(fmt)
+
+    def drop(i: int, why: str) -> None:
+        dropped.add(i)
+        out["dropped"].append({"where": _loc(origins, i), "record": origins[i][2], "tokens": rec_len[i], "why": why})
+
+    def trained_within(parts) -> bool:
+        return all(any(x != -100 for x in lab[:seq_len]) for _, _, lab in parts)
+
+    for i in over_idx:
+        parts = seqs[i]
+        over_by = rec_len[i] - seq_len
+        if policy == "refuse":
+            sink.error("too-long", f"{rec_len[i]} tokens, {over_by} past max_seq_length {seq_len} (long_records: refuse)", **_where(origins, i), field=field)
+            continue
+        if policy == "drop" or fmt == "grpo":
+            why = (f"{rec_len[i]} tokens > max_seq_length {seq_len}" if fmt != "grpo" else
+                   f"the templated prompt has {rec_len[i]} tokens, leaving no room to generate within {seq_len}")
+            drop(i, why)
+            sink.warn("too-long", f"dropped: {why} (long_records: {policy})", **_where(origins, i), field=field)
+            continue
+        # truncate
+        what, in_answer = "", False
+        if fmt in ("preference", "kto", "prompt-completion"):
+            plen = _prompt_len(parts)
+            alen = max(len(ids) - plen for _, ids, _ in parts)
+            src, _ = infer_seqlen(plen, alen, seq_len)
+            if plen > src:
+                new = cut_prompt(tp, records[i], src)
+                new_parts = tp.sequences(new)
+                if not trained_within(new_parts):
+                    drop(i, f"the prompt ({plen} tokens) cannot be cut below {_prompt_len(new_parts)} without losing its last turn, "
+                            f"which leaves no answer token within {seq_len}")
+                    sink.warn("too-long", f"dropped: {out['dropped'][-1]['why']}", **_where(origins, i), field="prompt")
+                    continue
+                records[i] = new
+                seqs[i] = parts = new_parts
+                what = f"prompt cut from {plen} to {_prompt_len(parts)} tokens (its start dropped); "
+            after = max(len(p[1]) for p in parts)
+            if after > seq_len:
+                what += f"answer cut at {seq_len - _prompt_len(parts)} of its {alen} tokens by the trainer"
+                in_answer = True
+        else:
+            lost = sum(1 for _, _, lab in parts for x in lab[seq_len:] if x != -100)
+            what = f"cut at {seq_len} tokens by the trainer, {rec_len[i] - seq_len} tokens lost" + (
+                f", {lost} of them trained (the cut falls inside an assistant turn)" if lost else ", none of them trained")
+            in_answer = bool(lost)
+        if not trained_within(parts):
+            drop(i, f"no trained token left within max_seq_length {seq_len}")
+            sink.warn("too-long", f"dropped: {out['dropped'][-1]['why']}", **_where(origins, i), field=field)
+            continue
+        out["cut_inside_answer"] += in_answer
+        out["tokens_cut"] += rec_len[i] - min(max(len(p[1]) for p in parts), seq_len)
+        out["truncated"].append({"where": _loc(origins, i), "record": origins[i][2], "tokens": rec_len[i], "what": what.rstrip("; ")})
+        sink.warn("too-long", f"truncated: {what.rstrip('; ')} (long_records: truncate)", **_where(origins, i), field=field)
+    n = max(len(records), 1)
+    out.update(over=len(over_idx), over_share=round(len(over_idx) / n, 4), dropped_set=dropped,
+               max_overflow=max((rec_len[i] - seq_len for i in over_idx), default=0))
+    if over_idx and policy != "refuse":
+        done = (f"dropped {len(out['dropped'])}" if out["dropped"] else "") + (
+            (", " if out["dropped"] else "") + f"truncated {len(out['truncated'])}" if out["truncated"] else "")
+        sink.warn("long-records", field="max_seq_length", message=(
+            f"{len(over_idx)} of {len(records)} records ({len(over_idx) / n:.1%}) are longer than max_seq_length {seq_len}: {done} "
+            f"(long_records: {policy}); record lengths p50 {q['p50']}, p90 {q['p90']}, p95 {q['p95']}, p99 {q['p99']}, max {q['max']}: "
+            f"`max_seq_length: {q['p95']}` keeps 95%, `max_seq_length: {q['p99']}` keeps 99%"))
+    return out
+
+
+def _prompt_len(parts) -> int:
+    """Tokens before the first trained one (the templated prompt), over a record's sequences."""
+    return min(next((k for k, x in enumerate(lab) if x != -100), len(lab)) for _, _, lab in parts)
+
+
 # ---------------------------------------------------------------- the pipeline
 
 
@@ -685,7 +836,7 @@ def _prepare(P: dict, closers: list) -> dict:
     _progress(1, f"validating {len(raw.rows)} records")
     checked = R.check_records(raw, sink, method=method, formats=formats, validation=validation, path_ok=path_ok,
                               fill=P.get("fill"), keep_placeholders=bool(P.get("keep_placeholders")),
-                              needs_reference=P.get("needs_reference", True))
+                              needs_reference=P.get("needs_reference", True), provenance=(P.get("provenance") or {}).get("value"))
     prov = P.get("provenance") or {}
     provenance = prov.get("value") or collapse["provenance"]["default"]
     if prov.get("conflict"):
@@ -697,6 +848,7 @@ def _prepare(P: dict, closers: list) -> dict:
         "counts": {"read": checked.read, "valid": len(checked.records) + checked.dropped["exact-duplicate"],
                    "dropped_exact_duplicates": checked.dropped["exact-duplicate"], "kept": len(checked.records)},
         "labels": checked.extra.get("labels"),
+        "duplicates": checked.extra.get("duplicates") or [],
     }
     if len(checked.records) < validation["min_examples"] and not sink.errors:
         sink.error("too-few-records", f"{len(checked.records)} usable records; the skill asks for at least {validation['min_examples']}")
@@ -749,25 +901,6 @@ def _prepare(P: dict, closers: list) -> dict:
     repeats = what_repeats(trained_txt, cvals, near_example, seed) if {"warn", "fail"} & set(provisional.values()) else None
     cverdicts = judge_collapse(cvals, collapse, len(records), sink, provenance, repeats, stated=bool(prov.get("value")))
 
-    # Split by content hash of each cluster's first record.
-    keys = checked.extra.get("keys") or [R.record_key(r) for r in records]
-    frac = float(P.get("eval_fraction", 0.05))
-    score = [R.split_key(keys[root(i)], seed) for i in range(len(records))]
-    is_eval = [s < frac for s in score]
-    need = validation["min_eval_examples"] if frac > 0 else 0
-    if sum(is_eval) < need:
-        for i in sorted(range(len(records)), key=lambda i: score[i]):
-            if sum(is_eval) >= need:
-                break
-            r0 = root(i)
-            for j in range(len(records)):
-                if root(j) == r0:
-                    is_eval[j] = True
-    if all(is_eval):
-        sink.error("too-few-records", "every record landed in the eval split; lower eval_fraction")
-    train_idx = [i for i in range(len(records)) if not is_eval[i]]
-    eval_idx = [i for i in range(len(records)) if is_eval[i]]
-
     # Template each example on its own, then measure, then pack.
     _progress(3, f"applying the chat template to {len(records)} records")
     seqs: list[list[tuple[str, list[int], list[int]]]] = []
@@ -787,40 +920,52 @@ def _prepare(P: dict, closers: list) -> dict:
             _progress(3 + (i + 1) / len(records), f"templated {i + 1}/{len(records)}")
     template_errors = sink.counts_of("chat-template") + sink.counts_of("masking")
 
-    lengths, trained_counts, over, cut = [], [], 0, 0
-    over_by: list[int] = []
-    over_where: list[str] = []
+    # Records longer than max_seq_length follow the brief's long_records policy (skill: "Long records").
+    lp = apply_length_policy(tp, records, seqs, origins, fmt, seq_len, P.get("long_records") or "drop", sink)
+    dropped_long = lp["dropped_set"]
+    lengths, trained_counts = [], []
     for i, parts in enumerate(seqs):
-        rec_over = 0
+        if i in dropped_long:
+            continue
         for part, ids, labels in parts:
-            lengths.append(len(ids))
-            if len(ids) > seq_len:
-                rec_over = max(rec_over, len(ids) - seq_len)
+            lengths.append(min(len(ids), seq_len))
             if fmt == "grpo":
                 continue
             kept = sum(1 for x in labels[:seq_len] if x != -100)
             trained_counts.append(kept)
-            if kept == 0:
-                total = sum(1 for x in labels if x != -100)
-                why = (f"all {total} trained tokens lie beyond max_seq_length {seq_len}" if total else
-                       "the template's mask covers none of its tokens")
-                sink.error("no-trained-tokens", f"{part + ': ' if part else ''}no token carries loss: {why}", **_where(origins, i),
-                           field=part or ("messages" if fmt in ("messages", "vision") else "completion"))
-        if fmt == "grpo" and rec_over:
-            sink.error("too-long", f"the templated prompt has {max(len(p[1]) for p in parts)} tokens, leaving no room to generate within {seq_len}",
-                       **_where(origins, i), field="prompt")
-        elif rec_over:
-            over += 1
-            cut += rec_over
-            over_by.append(rec_over)
-            over_where.append(_loc(origins, i))
-            sink.warn("too-long", f"{rec_over} tokens past max_seq_length {seq_len} would be cut", **_where(origins, i),
-                      field=R.main_field(fmt))
-    rule = validation["share_rules"]["too-long"]
-    over_share = over / max(len(records), 1)
-    if over and over_share > rule["fail_above"]:
-        sink.error("too-long", field=R.main_field(fmt), message=f"{over} of {len(records)} records ({over_share:.1%}) exceed max_seq_length {seq_len}, "
-                   f"above the {rule['fail_above']:.0%} the skill allows ({_some(over_where)}); raise max_seq_length in the brief or shorten the records")
+            if kept == 0 and parts and sum(1 for x in labels if x != -100) == 0:
+                sink.error("no-trained-tokens", f"{part + ': ' if part else ''}no token carries loss: the template's mask covers none of its tokens",
+                           **_where(origins, i), field=part or ("messages" if fmt in ("messages", "vision") else "completion"))
+    kept_n = len(records) - len(dropped_long)
+    if kept_n < validation["min_examples"] and dropped_long and not template_errors:
+        q = lp["record_lengths"]
+        sink.error("too-few-records", field="max_seq_length", message=(
+            f"only {kept_n} of {len(records)} records fit max_seq_length {seq_len} once the {len(dropped_long)} longer ones are dropped "
+            f"(long_records: {lp['policy']}); the skill asks for at least {validation['min_examples']}: set `max_seq_length: {q['p95']}` "
+            f"(keeps 95%) or `max_seq_length: {q['p99']}` (keeps 99%) under ## Dataset Expectation"
+            + ("" if lp["policy"] == "truncate" or fmt == "grpo" else ", or `long_records: truncate` to cut them")))
+
+    # Split by content hash of each cluster's first record.
+    keys = checked.extra.get("keys") or [R.record_key(r) for r in records]
+    frac = float(P.get("eval_fraction", 0.05))
+    score = [R.split_key(keys[root(i)], seed) for i in range(len(records))]
+    # A dropped record is in neither split.
+    live = [i not in dropped_long for i in range(len(records))]
+    is_eval = [s < frac and ok for s, ok in zip(score, live)]
+    need = validation["min_eval_examples"] if frac > 0 else 0
+    if sum(is_eval) < need:
+        for i in sorted((i for i in range(len(records)) if live[i]), key=lambda i: score[i]):
+            if sum(is_eval) >= need:
+                break
+            r0 = root(i)
+            for j in range(len(records)):
+                if root(j) == r0 and live[j]:
+                    is_eval[j] = True
+    if any(live) and all(e for e, ok in zip(is_eval, live) if ok):
+        sink.error("too-few-records", "every record landed in the eval split; lower eval_fraction")
+    train_idx = [i for i in range(len(records)) if live[i] and not is_eval[i]]
+    eval_idx = [i for i in range(len(records)) if is_eval[i]]
+
     if tp.stop_token_trained is False:
         sink.warn("stop-token", "the chat template leaves the assistant's end-of-turn token outside the loss mask; the model may not learn to stop",
                   field="chat_template")
@@ -828,13 +973,16 @@ def _prepare(P: dict, closers: list) -> dict:
         "tokens_per_sequence": _stats(lengths),
         "trained_tokens_per_sequence": _stats(trained_counts) if trained_counts else None,
         "total_tokens": sum(lengths),
-        "over_max_seq_length": over,
-        "over_share": round(over_share, 4),
-        "tokens_cut": cut,
-        "max_overflow": max(over_by) if over_by else 0,
+        "trained_tokens": sum(trained_counts),
+        "record_lengths": lp["record_lengths"],
+        "max_seq_length_for": lp["max_seq_length_for"],
+        "over_max_seq_length": lp["over"],
+        "over_share": lp["over_share"],
+        "tokens_cut": lp["tokens_cut"],
+        "max_overflow": lp["max_overflow"],
     }
     if P.get("max_seq_length_from") == "default":
-        tps = token_stats["tokens_per_sequence"]
+        tps = token_stats["record_lengths"]
         sink.warn("max-seq-length-default", f"the brief states no max_seq_length, so the {method} recipe's default {seq_len} applies "
                   f"({P.get('max_seq_length_cite')}); 99% of the templated records fit in {tps['p99']} tokens (the longest has {tps['max']}): "
                   f"state `max_seq_length: {tps['p99']}` under ## Dataset Expectation to train at the data's own length", field="max_seq_length")
@@ -853,7 +1001,9 @@ def _prepare(P: dict, closers: list) -> dict:
                            "top_opening": cvals["_top_opening"], "sample_words": cvals["_sample_words"],
                            "verdicts": cverdicts, "min_records": collapse["min_records"]},
               "near_duplicates": {"records": n_near, "share": round(near_share, 4), "clusters_in_one_split": True}}
-    result["counts"].update(train=len(train_idx), eval=len(eval_idx))
+    result["counts"].update(train=len(train_idx), eval=len(eval_idx), kept=len(train_idx) + len(eval_idx),
+                            dropped_long=len(dropped_long), truncated=len(lp["truncated"]))
+    result["long_records"] = {k: v for k, v in lp.items() if k != "dropped_set"}
     if sink.errors:
         stage = "templating" if template_errors else "checks"
         return {"ok": False, "stage": stage, **result, **sink.to_dict()}
@@ -898,6 +1048,8 @@ def _prepare(P: dict, closers: list) -> dict:
         "split": {"rule": "blake2b(seed:record) < eval_fraction; near-duplicate clusters share a split",
                   "seed": seed, "eval_fraction": frac},
         "max_seq_length": seq_len,
+        "long_records": result["long_records"],
+        "exact_duplicates": base["duplicates"],
         "chat_template": template,
         "trainer_settings": trainer,
         "reference_field": checked.reference_field,

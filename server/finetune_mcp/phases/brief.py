@@ -7,7 +7,7 @@ Stdlib only and free of side effects, so every phase can import it. The brief fo
     ## Base Model           embedded name, base-models/ folder, HF id in the cache, or a model folder's path in a data dir (required)
     ## Chosen Method        one of METHODS, aliases tolerated     (required)
     ## Dataset Expectation  prose + "key: value" lines: format, max_seq_length, packing, examples,
-                         provenance, fill, placeholders, license (required; every key optional)
+                         provenance, fill, placeholders, long_records, license (required; every key optional)
     ## Memory Budget        "4 GB", "96 GiB", "0.5 TB"              (required)
     ## Deployment Target    "<runtime> [(<format>)]"              (required)
     ## Evaluation           "key: value" lines                    (optional)
@@ -112,6 +112,11 @@ _PROVENANCE_ALIASES = {
 _ALIAS_TO_PROVENANCE = {a: p for p, aliases in _PROVENANCE_ALIASES.items() for a in aliases}
 # What to do with {{name}} placeholders left in the records: refuse them (the default) or train them as written.
 PLACEHOLDER_POLICIES = ("fail", "keep")
+# What to do with records longer than max_seq_length: drop them (the default, as Axolotl does), cut them
+# (prompts from the start, answers by the trainer's keep_start cut) or refuse the set.
+LONG_RECORD_POLICIES = ("drop", "truncate", "refuse")
+_LONG_ALIASES = {"drop": "drop", "skip": "drop", "filter": "drop", "truncate": "truncate", "cut": "truncate",
+                 "trim": "truncate", "refuse": "refuse", "fail": "refuse", "error": "refuse"}
 _FILL_PAIR = re.compile(r"""\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*("(?:[^"\\]|\\.)*"|'[^']*'|[^,]*)\s*(?:,|$)""")
 
 RUNTIMES = ("transformers", "vllm", "llama.cpp", "ollama")
@@ -217,6 +222,11 @@ class Brief:
     @property
     def keep_placeholders(self) -> bool:
         return self.dataset_expectation.get("placeholders") == "keep"
+
+    @property
+    def long_records(self) -> str:
+        """drop | truncate | refuse: what prepare_dataset does with records longer than max_seq_length."""
+        return self.dataset_expectation.get("long_records") or "drop"
 
     @property
     def system_prompt(self) -> str | None:
@@ -559,6 +569,14 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
         if pol is None:
             problem("dataset_expectation", f"placeholders: {kv['placeholders']!r} is not a policy", "|".join(PLACEHOLDER_POLICIES))
         expectation["placeholders"] = pol
+    long_key = next((k for k in ("long_records", "long_sequences", "too_long", "overlong") if k in kv), None)
+    if long_key:
+        pol = _LONG_ALIASES.get(_key(_lead(kv[long_key])))
+        if pol is None:
+            problem("dataset_expectation", f"{long_key}: {kv[long_key]!r} is not a policy", "|".join(LONG_RECORD_POLICIES))
+        if long_key != "long_records":
+            expectation.pop(long_key, None)
+        expectation["long_records"] = pol
     expectation["provenance"] = provenance
     expectation["format"] = fmt
     expectation["max_seq_length"] = seq

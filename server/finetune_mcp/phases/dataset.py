@@ -27,10 +27,10 @@ from finetune_mcp.workspace import commit, utc_now
 
 SKILL = "dataset-curation"
 # org/name, org/name:split, or org/name:config:split (org/name:config: for a config's default split).
-_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9_.-]*){0,2}$")
-_HF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_HF_ID = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9_.-]*){0,2}\Z")
+_HF_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 _DATA_EXTS = set(R.TEXT_EXTS) | set(R.ARROW_EXTS)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,119}$")
+_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,119}\Z")
 # Overall progress: brief and light pass, then the worker's seven stages, then the write-up.
 _TOTAL = 10.0
 # Above this a source is validated once, in the worker, which reads it anyway: the server then neither
@@ -86,13 +86,13 @@ def resolve_source(pc: PhaseContext, source: Any) -> dict:
         try:
             real = pc.guard.check_read(s, "source")
         except Forbidden:
-            if _HF_ID.match(s) and not Path(s).expanduser().exists():
+            if _HF_ID.fullmatch(s) and not Path(s).expanduser().exists():
                 real = None
             else:
                 raise
         if real is not None and real.exists():
             return {"kind": "path", "path": str(real), "given": source}
-        if _HF_ID.match(s) and Path(s).suffix.lower() not in _DATA_EXTS:
+        if _HF_ID.fullmatch(s) and Path(s).suffix.lower() not in _DATA_EXTS:
             hf = s
         else:
             raise NotFound(f"source {source!r} not found", where=str(real) if real else source,
@@ -100,7 +100,7 @@ def resolve_source(pc: PhaseContext, source: Any) -> dict:
     parts = hf.split(":")
     hf_id = parts[0]
     config, split = (parts[1] or None, parts[2] or None) if len(parts) == 3 else (None, (parts[1] or None) if len(parts) == 2 else None)
-    if not _HF_NAME.match(hf_id) or len(parts) > 3:
+    if not _HF_NAME.fullmatch(hf_id) or len(parts) > 3:
         raise BadInput(f"{hf!r} is not an HF dataset id", where="source", fix="write it as org/name, org/name:split or org/name:config:split")
     # Loaded in the worker by datasets.load_dataset: from the local cache, or from the hub when it can be reached.
     # The worker runs offline; it may fetch a missing dataset from the hub unless the user set offline mode here.
@@ -128,7 +128,7 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
     experiment = brief.experiment
     exp_dir = pc.guard.check_write(pc.ws.experiment_dir(experiment, must_exist=False), "experiment")
     name = dataset_name if dataset_name is not None else experiment
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise BadInput(f"invalid dataset_name {name!r}", where="dataset_name", fix="use letters, digits, '.', '_' and '-' (up to 120), starting with a letter or digit")
     final_dir = pc.guard.check_write(pc.ws.datasets_dir / name, "dataset_name")
     src = resolve_source(pc, source)
@@ -148,7 +148,8 @@ def prepare_dataset(pc: PhaseContext, brief_path: str, source: str, dataset_name
                 raw, sink = R.read_text_source(Path(src["path"]), tables["validation"]["listed_per_code"])
                 checked = R.check_records(raw, sink, method=brief.method, formats=tables["formats"], validation=tables["validation"],
                                           path_ok=_path_ok(pc), fill=data["fill"], keep_placeholders=data["keep_placeholders"],
-                                          needs_reference=data["needs_reference"])
+                                          needs_reference=data["needs_reference"],
+                                          provenance=(data["provenance"] or {}).get("value"))
                 light = {"checked": checked, "raw": raw}
                 if len(checked.records) < tables["validation"]["min_examples"] and not sink.errors:
                     sink.error("too-few-records", f"{len(checked.records)} usable records; the skill asks for at least {tables['validation']['min_examples']}")
@@ -320,7 +321,8 @@ def _run_prepare(pc: PhaseContext, brief: Brief, src: dict, model, name: str, fi
         pc.progress(1 + 7 * float(done) / float(total or 7), _TOTAL, message)
 
     try:
-        job = run_job("prepare_data", params, progress=progress, timeout=900 + 0.05 * _size_hint(src))
+        stage.mkdir()  # made here, so it goes with the job if this server dies (scratch)
+        job = run_job("prepare_data", params, progress=progress, timeout=900 + 0.05 * _size_hint(src), scratch=[str(stage)])
         job["_stage_dir"] = str(stage)
         job["_params"] = params
         if not job.get("ok"):
@@ -353,6 +355,7 @@ def _job_params(brief: Brief, src: dict, model, name: str, tables: dict, eval_fr
         "needs_reference": data["needs_reference"],
         "provenance": data["provenance"],
         "packing": brief.packing,
+        "long_records": brief.long_records,
         "system_prompt": brief.system_prompt,
         "eval_fraction": float(eval_fraction),
         "seed": 0,
@@ -424,6 +427,7 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
         summary = (f"Phase 2 {'complete' if complete else 'NOT complete'}: {counts.get('train', 0)} train / {counts.get('eval', 0)} eval "
                    f"{job.get('format')} records in datasets/{name}"
                    + (f"; packed at {pk.get('seq_length')} tokens, efficiency {pk.get('efficiency'):.1%}" if pk.get("enabled") else "")
+                   + _removed_said(job)
                    + (f"; {n_warn} warning(s)" if n_warn else ""))
     else:
         first = next((p for p in problems if p.severity == "error"), None)
@@ -442,6 +446,8 @@ def _finish(pc: PhaseContext, brief: Brief, exp_dir: Path, name: str, final_dir:
         max_seq_length=data["max_seq_length"],
         provenance=(job.get("provenance") or {}).get("value") or (data["provenance"] or {}).get("value"),
         tokens=job.get("tokens"),
+        transformations=({"long_records": job.get("long_records"), "exact_duplicates": job.get("duplicates") or [],
+                          "line": long_records_said(job, data)} if job.get("tokens") else None),
         dataset_dir=str(final_dir) if ok else None,
         counts=counts,
         problems=problems,
@@ -483,6 +489,60 @@ def conversion_lines(job: dict, tables: dict) -> list[str]:
     left = rep.get("left_out_columns") or {}
     L.append("- Dropped from the records' content: nothing"
              + (f". Columns the trainer does not read, left out of train.jsonl: {', '.join(f'{k} ({v} records)' for k, v in sorted(left.items()))}" if left else ""))
+    return L
+
+
+def _removed_said(job: dict) -> str:
+    """The summary's clause on records removed or cut, so a large share dropped is never only in the warnings."""
+    c = job.get("counts") or {}
+    lr = job.get("long_records") or {}
+    parts = []
+    if c.get("dropped_long"):
+        parts.append(f"{c['dropped_long']} of {lr.get('records')} records longer than {lr.get('max_seq_length')} tokens dropped "
+                     f"({c['dropped_long'] / max(lr.get('records') or 1, 1):.1%}; `long_records: truncate` or `max_seq_length: "
+                     f"{(lr.get('max_seq_length_for') or {}).get('95%')}` keeps them)")
+    if c.get("truncated"):
+        parts.append(f"{c['truncated']} records truncated to {lr.get('max_seq_length')} tokens")
+    if c.get("dropped_exact_duplicates"):
+        parts.append(f"{c['dropped_exact_duplicates']} exact duplicates removed")
+    return "".join(f"; {p}" for p in parts)
+
+
+def long_records_said(job: dict, data: dict) -> str:
+    """One line on the records longer than max_seq_length and what the brief's long_records policy did with them."""
+    tok = job.get("tokens") or {}
+    lr = job.get("long_records") or {}
+    q = tok.get("record_lengths") or tok.get("tokens_per_sequence") or {}
+    over = tok.get("over_max_seq_length", 0)
+    line = (f"{over} of {lr.get('records', '?')} records over max_seq_length {data['max_seq_length']} "
+            f"({tok.get('over_share', 0):.1%}), long_records: {lr.get('policy', 'drop')}")
+    if over:
+        line += (f": {len(lr.get('dropped') or [])} dropped, {len(lr.get('truncated') or [])} truncated"
+                 + (f" ({lr.get('cut_inside_answer', 0)} cut inside an answer)" if lr.get("truncated") else "")
+                 + f", {tok.get('tokens_cut', 0)} tokens cut")
+    return (line + f"; record lengths p50 {q.get('p50')}, p95 {q.get('p95')}, p99 {q.get('p99')}, max {q.get('max')}: "
+            f"max_seq_length {q.get('p95')} keeps 95%, {q.get('p99')} keeps 99%")
+
+
+def transformation_lines(job: dict, data: dict, n: int = 5) -> list[str]:
+    """The card's account of what was removed or changed, with counts and the first few records of each."""
+    counts = job.get("counts") or {}
+    lr = job.get("long_records") or {}
+    dups = job.get("duplicates") or []
+    L = [f"- Exact duplicates removed: {counts.get('dropped_exact_duplicates', 0)}"
+         + (": " + "; ".join(f"{d['where']} (same as {d['same_as']})" for d in dups[:n]) + (f"; and {len(dups) - n} more" if len(dups) > n else "")
+            if dups else "")]
+    L.append(f"- Longer than max_seq_length {data['max_seq_length']}: {(job.get('tokens') or {}).get('over_max_seq_length', 0)} records; "
+             f"policy long_records: {lr.get('policy', 'drop')} (the brief's ## Dataset Expectation)")
+    for key, label, what in (("dropped", "Dropped for length", "why"), ("truncated", "Truncated", "what")):
+        items = lr.get(key) or []
+        L.append(f"- {label}: {len(items)}" + (": " + "; ".join(f"{d['where']} ({d['tokens']} tokens: {d[what]})" for d in items[:n])
+                                              + (f"; and {len(items) - n} more" if len(items) > n else "") if items else ""))
+    if lr.get("truncated"):
+        L.append(f"- Truncations that fall inside a trained answer: {lr.get('cut_inside_answer', 0)} (their end-of-turn token is cut too, "
+                 "so the model is not taught to stop there); every kept record keeps trained answer tokens")
+    L.append(f"- Kept: {counts.get('kept')} of {counts.get('read')} records read; the full lists are in validation-report.md "
+             "and `python data/prepare.py` rebuilds exactly these files")
     return L
 
 
@@ -573,9 +633,7 @@ def _checklist(brief: Brief, job: dict, tables: dict, final_dir: Path | None, ca
                 f"({att.get('samples', 0)} samples: position_ids restarts and cu_seq_lens match the sample boundaries)")
         else:
             add("packing-inspected", True, f"packing off in the brief; {len(job.get('decoded_samples') or [])} templated examples decoded with trained spans marked")
-        add("lengths-fit", "too-long" not in errors,
-            f"{tok.get('over_max_seq_length', 0)} records over {data['max_seq_length']} tokens ({tok.get('over_share', 0):.1%}), "
-            f"{tok.get('tokens_cut', 0)} tokens cut; longest {((tok.get('tokens_per_sequence') or {}).get('max'))}")
+        add("lengths-fit", "too-long" not in errors, long_records_said(job, data))
         vals = col.get("values") or {}
         add("collapse-guard", "fail" not in (col.get("verdicts") or {}).values(),
             ", ".join(f"{k} {v} ({(col.get('verdicts') or {}).get(k)})" for k, v in vals.items()))
@@ -630,12 +688,21 @@ def _report(brief: Brief, name: str, final_dir: Path, src: dict, job: dict, tabl
     tpl = job.get("template") or {}
     L += ["## Conversion", "", *conversion_lines(job, tables), ""]
     L += ["## Token lengths", "", "| measure | min | p50 | p90 | p95 | p99 | max | mean |", "|---|---|---|---|---|---|---|---|"]
-    for label, key in (("tokens per sequence", "tokens_per_sequence"), ("trained tokens per sequence", "trained_tokens_per_sequence")):
+    for label, key in (("templated records, before long_records", "record_lengths"), ("tokens per sequence, as trained", "tokens_per_sequence"),
+                       ("trained tokens per sequence", "trained_tokens_per_sequence")):
         s = tok.get(key)
         if s:
             L.append(f"| {label} | {s['min']} | {s['p50']} | {s['p90']} | {s.get('p95')} | {s['p99']} | {s['max']} | {s['mean']} |")
-    L += ["", f"Over max_seq_length {data['max_seq_length']}: {tok.get('over_max_seq_length', 0)} records ({tok.get('over_share', 0):.1%}), "
-          f"{tok.get('tokens_cut', 0)} tokens would be cut (at most {tok.get('max_overflow', 0)} from one record).", "",
+    lr = job.get("long_records") or {}
+    L += ["", f"- {long_records_said(job, data)}.", ""]
+    dups = job.get("duplicates") or []
+    for title, items, fmt in (("Dropped for length", lr.get("dropped") or [], lambda d: f"{d['tokens']} tokens: {d['why']}"),
+                              ("Truncated", lr.get("truncated") or [], lambda d: f"{d['tokens']} tokens: {d['what']}"),
+                              ("Exact duplicates removed", dups, lambda d: f"same as {d['same_as']}")):
+        if items:
+            L += [f"### {title} ({len(items)})", "", "| where | record | what |", "|---|---|---|"]
+            L += [f"| {d['where']} | {d['record']} | {fmt(d).replace('|', chr(92) + '|')} |" for d in items] + [""]
+    L += ["",
           "## Chat template and loss mask", "",
           f"- Template: {tpl.get('source')} (sha256 {tpl.get('sha256')}), applied to each example on its own before any packing.",
           f"- Generation markers in the base template: {tpl.get('generation_markers')}; loss on "
@@ -706,7 +773,7 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
             risks.append(p["message"] + ".")
     pcounts = job.get("problem_counts") or {}
     for code, label in (("exact-duplicate", "exact duplicates dropped"), ("near-duplicate", "near duplicates kept (each cluster in one split)"),
-                        ("too-long", "records longer than max_seq_length (their ends are not trained)"),
+                        ("too-long", f"records longer than max_seq_length (long_records: {(job.get('long_records') or {}).get('policy', 'drop')}; see Processing)"),
                         ("stop-token", "end-of-turn token outside the loss mask"), ("one-sided-labels", "KTO labels all one kind")):
         n = (pcounts.get(code) or {}).get("warning", 0)
         if n:
@@ -733,7 +800,8 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
           f"{', '.join(spec.get('methods', []))}, so it fits.",
           f"- Loss on: {spec.get('loss_on')}", f"- Trainer setting: {spec.get('trainer_setting')}", ""]
     L += [f"## {fields['size-and-split']}", "",
-          f"- Records read {counts.get('read')}, exact duplicates dropped {counts.get('dropped_exact_duplicates', 0)}, kept {counts.get('kept')}",
+          f"- Records read {counts.get('read')}, exact duplicates dropped {counts.get('dropped_exact_duplicates', 0)}, "
+          f"dropped for length {counts.get('dropped_long', 0)}, truncated {counts.get('truncated', 0)}, kept {counts.get('kept')}",
           f"- Train {counts.get('train')} / eval {counts.get('eval')} (eval_fraction {eval_fraction}); split by a content hash with seed 0, "
           "so a record always lands in the same split; near-duplicate clusters share a split.", ""]
     tps = tok.get("tokens_per_sequence") or {}
@@ -744,6 +812,7 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
           f"p50 {tps.get('p50')}, p95 {tps.get('p95')}, p99 {tps.get('p99')}, max {tps.get('max')} (min {tps.get('min')}, mean {tps.get('mean')}; total {tok.get('total_tokens')})",
           (f"- Trained tokens per sequence: min {tts.get('min')}, median {tts.get('p50')}, max {tts.get('max')}, mean {tts.get('mean')}" if tts else "- Trained tokens: none in the data (GRPO samples its completions)"),
           f"- Share over max_seq_length {seq_said(data)}: {tok.get('over_share', 0):.1%} ({tok.get('over_max_seq_length', 0)} records, {tok.get('tokens_cut', 0)} tokens cut)",
+          f"- {long_records_said(job, data)}",
           *([f"- max_seq_length was not in the brief: the method's default applies; the data's p99 is {tps.get('p99')} tokens, "
              f"so `max_seq_length: {tps.get('p99')}` fits 99% of the records"] if data["max_seq_length_from"] == "default" else []), ""]
     L += [f"## {fields['processing']}", "",
@@ -754,7 +823,8 @@ def _card(brief: Brief, name: str, final_dir: Path, src: dict, model, job: dict,
           (f"- Packing: TRL pack_dataset, strategy bfd, {pk.get('seq_length')} tokens, {pk.get('rows')} rows, efficiency {pk.get('efficiency'):.1%}; "
            f"cross-sample attention kept apart by padding-free position_ids restarts ({'verified' if (pk.get('attention') or {}).get('verified') else 'not verified'})"
            if pk.get("enabled") else "- Packing: off"),
-          f"- Trainer settings to use (meta.json trainer_settings): {json.dumps(ts)}", ""]
+          f"- Trainer settings to use (meta.json trainer_settings): {json.dumps(ts)}", "",
+          "### Records removed or changed", "", *transformation_lines(job, data), ""]
     L += _masking_lines(tpl.get("masking"))
     L += [f"## {fields['known-limitations-and-risks']}", "", *(f"- {r}" for r in risks), "",
           "Collapse guard readings: " + ", ".join(f"{k} {v}" for k, v in (col.get("values") or {}).items()) + ".", ""]
