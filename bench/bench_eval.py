@@ -155,7 +155,7 @@ async def rounds(w: dict, env: dict, n: int) -> tuple[float, list[float], list[d
             took = time.perf_counter() - t0
             if r.is_error:
                 raise SystemExit(r.content[0].text)
-            return took, r.structured_content, read_eval_result(w["ws"].output_root / w["run_id"]).get("timings_s") or {}
+            return took, r.structured_content, read_eval_result(w["ws"], w["run_id"]).get("timings_s") or {}
 
         cold, _, _ = await evaluate()
         print(f"first call (cold worker: it imports the training stack): evaluate_checkpoint {cold:.1f}s", flush=True)

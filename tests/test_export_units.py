@@ -120,3 +120,23 @@ def test_sdist_with_hostile_paths_is_not_unpacked_outside(ws_root, monkeypatch):
     assert not list(tools.glob("llama-cpp-converter/*")), "nothing partial left"
     assert not list(ws_root.parent.rglob("escaped.py"))
     assert not any(p.is_symlink() for p in tools.rglob("*"))
+
+
+def test_format_map_names_one_smoke_criterion_per_format():
+    """Identity only where the runtime computes what evaluation computed; 16-bit downcasts by the near-tie margin;
+    quantized GGUF by a similarity floor. A row naming two criteria, or none, is refused."""
+    from pydantic import ValidationError
+
+    from finetune_mcp.skills import load_skills
+    from finetune_mcp.skilltables import ExportFormat
+
+    fm = load_skills().table("quantized-export", "format-map")
+    crit = {f.id: ("identical" if f.lossless else ("margin", f.max_tie_margin) if f.max_tie_margin is not None else ("similarity", f.min_similarity))
+            for f in fm.formats}
+    assert crit == {"lora": "identical", "merged-16bit": ("margin", 0.5), "gguf-f16": ("margin", 0.5),
+                    "gguf-q8_0": ("similarity", 0.9), "gguf-q4_k_m": ("similarity", 0.7)}
+    row = {"id": "merged-16bit", "posture": "merged", "container": "safetensors", "trade_off": "t", "cite": "format-merged-16bit"}
+    for bad in ({"lossless": True, "max_tie_margin": 0.5}, {"lossless": False}, {"lossless": False, "max_tie_margin": 0.5, "min_similarity": 0.9}):
+        with pytest.raises(ValidationError, match="exactly one smoke criterion"):
+            ExportFormat(**row, **bad)
+    assert ExportFormat(**row, lossless=False, max_tie_margin=0.5).max_tie_margin == 0.5

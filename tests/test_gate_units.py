@@ -28,7 +28,8 @@ def test_key_pair_made_once_private_0600(ws_root):
     assert len(keys) == 6 and len(ids) == 1, "concurrent first use must agree on one key"
     d = signing.key_dir(ws)
     assert stat.S_IMODE((d / signing.PRIVATE_NAME).stat().st_mode) == 0o600
-    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert stat.S_IMODE(d.stat().st_mode) == 0o711  # the training user reaches the public half by name, lists nothing
+    assert stat.S_IMODE((d / signing.PUBLIC_NAME).stat().st_mode) == 0o644
     assert signing.key_id(signing.load_public_key(ws)) in ids
     assert sorted(p.name for p in d.iterdir()) == [signing.PRIVATE_NAME, signing.PUBLIC_NAME]
 
@@ -118,16 +119,16 @@ def test_suite_default_scorer_is_checked_against_the_prompts_it_will_judge(ws_ro
     with pytest.raises(BadInput) as e:
         gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: numeric\n")
     assert e.value.where == "eval/prompts.jsonl:2: expected"
-    assert not (ws.experiments_dir / "exp" / "eval" / "eval.yaml").exists()
+    assert not (ws.eval_dir("exp") / "eval.yaml").exists()
     # the same row naming its own scorer is fine, and rows inherit the default's options
     gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "2+2?", "expected": "4"}\n{"prompt": "Capital?", "expected": "Paris", "scorer": "contains"}\n')
     gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: {name: numeric, tolerance: 0.5}\nthresholds: {max_kl: 0.2, max_perplexity_ratio: 1.1}\n")
-    suite = gate.load_suite(ws.experiments_dir / "exp")
+    suite = gate.load_suite(ws.eval_dir("exp"))
     assert [s.label() for s in suite["scorers"]] == ["numeric(tolerance=0.5)", "contains"]
     # a line naming the default's scorer without its required option takes the default's; with no such default it is refused
     gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: {name: regex, pattern: 'is (\\w+)'}\n")
     gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "Capital?", "expected": "Paris", "scorer": {"name": "regex", "ignore_case": false}}\n')
-    assert gate.load_suite(ws.experiments_dir / "exp")["scorers"][0].options == {"pattern": "is (\\w+)", "ignore_case": False}
+    assert gate.load_suite(ws.eval_dir("exp"))["scorers"][0].options == {"pattern": "is (\\w+)", "ignore_case": False}
     with pytest.raises(BadInput) as e:
         gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: contains\n")
     assert e.value.where == "eval/prompts.jsonl:1: scorer.pattern"
@@ -142,12 +143,105 @@ def test_write_eval_file_stays_in_eval_and_leaves_nothing_on_bad_input(ws_root):
     (ws.experiments_dir / "exp").mkdir(parents=True)
     pc = PhaseContext.for_role("eval-engineer")
     res = gate.write_eval_file(pc, "exp", "eval/prompts.jsonl", '{"prompt": "a", "expected": "b"}\n')
-    assert res.path.endswith("exp/eval/prompts.jsonl") and "1 rows" in res.summary
+    assert res.path == str((ws.root / "eval" / "exp" / "prompts.jsonl").resolve()) and "1 rows" in res.summary
     with pytest.raises(BadInput):
         gate.write_eval_file(pc, "exp", "drift.jsonl", "{oops\n")
-    assert not (ws.experiments_dir / "exp" / "eval" / "drift.jsonl").exists()
-    assert not list((ws.experiments_dir / "exp" / "eval").glob(".*tmp"))
-    (ws.experiments_dir / "exp" / "eval" / "out").symlink_to(ws.experiments_dir / "exp")
+    assert not (ws.eval_dir("exp") / "drift.jsonl").exists()
+    assert not list(ws.eval_dir("exp").glob(".*tmp"))
+    # reports/, results/ and git's own files are evaluate_checkpoint's and git's, never write_eval_file's
+    for rel in ("results/20260101-0000-a.json", "reports/x.md", ".git/config", ".gitignore"):
+        with pytest.raises(BadInput, match="is not a suite file"):
+            gate.write_eval_file(pc, "exp", rel, "{}")
+    (ws.eval_dir("exp") / "out").symlink_to(ws.experiments_dir / "exp")
     with pytest.raises(Forbidden):
         gate.write_eval_file(pc, "exp", "out/train.py", "x")
     assert not (ws.experiments_dir / "exp" / "train.py").exists()
+
+
+def test_suite_is_its_own_repository_outside_the_experiments_one(ws_root):
+    """The suite's history never enters the experiments repository, whose objects the training side could read."""
+    import subprocess
+
+    from finetune_mcp.workspace import ensure_repo
+
+    ws = Workspace.from_env()
+    ensure_repo(ws.experiments_repo)
+    (ws.experiments_dir / "exp").mkdir(parents=True)
+    pc = PhaseContext.for_role("eval-engineer")
+    res = gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "b"}\n')
+    d = ws.eval_dir("exp")
+    assert "committed" in res.summary and (d / ".git").is_dir()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(ws.eval_root.stat().st_mode) == 0o711
+
+    def git(repo, *args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+    assert git(d, "log", "--format=%s") .splitlines()[0] == "eval: exp/prompts.jsonl"
+    assert "prompts.jsonl" in git(d, "ls-files")
+    everything = git(ws.experiments_repo, "log", "--all", "--name-only", "--format=")
+    assert "prompts.jsonl" not in everything and "eval" not in everything.split("/")
+    assert "eval/" in (ws.experiments_repo / ".gitignore").read_text().splitlines()
+
+
+def test_legacy_suite_inside_the_experiment_is_refused_with_the_move(ws_root):
+    ws = Workspace.from_env()
+    old = ws.experiments_dir / "exp" / "eval"
+    old.mkdir(parents=True)
+    (old / "prompts.jsonl").write_text('{"prompt": "a", "expected": "b"}\n')
+    pc = PhaseContext.for_role("eval-engineer")
+    with pytest.raises(Refused) as e:
+        gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "c"}\n')
+    assert e.value.where == str(old) and "keeps its eval suite inside the experiment folder" in str(e.value)
+    new = ws.eval_dir("exp")
+    assert f"mkdir -p {new.parent} && mv {old} {new}" in e.value.fix
+    assert f"git -C {ws.experiments_repo} rm -r -q --cached --ignore-unmatch trainings/exp/eval" in e.value.fix
+    assert (old / "prompts.jsonl").read_text() == '{"prompt": "a", "expected": "b"}\n' and not new.exists()
+    (ws.output_root / "exp" / "20260101-0000-a").mkdir(parents=True)
+    with pytest.raises(Refused, match="keeps its eval suite inside"):
+        gate.evaluate_checkpoint(pc, "exp/20260101-0000-a")
+    # the move it names is the fix
+    new.parent.mkdir(parents=True, exist_ok=True)
+    old.rename(new)
+    assert "1 rows" in gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "c"}\n').summary
+
+
+def _result(**over):
+    m = {"task_accuracy": 0.9, "eval_loss": 0.5, "drift": {"kl": 0.2, "perplexity_ratio": 1.1, "changed_share": 0.5},
+         "thresholds": {"min_accuracy": 0.8, "max_kl": 0.3, "max_perplexity_ratio": 1.2},
+         "threshold_sources": {"min_accuracy": "brief ## Evaluation", "max_kl": "eval/eval.yaml", "max_perplexity_ratio": "eval/eval.yaml"},
+         "goldens": [{"prompt": "p", "output": "a b", "golden": "a  b"}, {"prompt": "q", "output": "c"}]}
+    m.update(over)
+    return m
+
+
+def test_checks_are_recomputed_from_figures_and_thresholds():
+    assert gate.judge(_result()) == {"min_accuracy": True, "max_kl": True, "max_perplexity_ratio": True, "goldens": True}
+    # a stored "passed" says nothing: only the figures count
+    forged = _result(task_accuracy=0.1, passed={"min_accuracy": True, "max_kl": True, "max_perplexity_ratio": True})
+    assert gate.judge(forged)["min_accuracy"] is False
+    assert gate.check_text("min_accuracy", forged) == "min_accuracy (task accuracy 0.1000 < 0.8 from brief ## Evaluation)"
+    assert gate.judge(_result(drift={"kl": 0.31, "perplexity_ratio": float("nan")}))["max_kl"] is False
+    assert gate.judge(_result(drift={"kl": 0.1, "perplexity_ratio": float("nan")}))["max_perplexity_ratio"] is False  # NaN never passes
+    assert gate.judge(_result(eval_loss=None, thresholds={"max_eval_loss": 1.0}))["max_eval_loss"] is False  # no figure, no pass
+    assert gate.judge(_result(goldens=[{"prompt": "p", "output": "x", "golden": "y"}]))["goldens"] is False
+    with pytest.raises(Refused, match="unknown threshold 'min_acc'"):
+        gate.judge(_result(thresholds={"min_acc": 0.5}))
+
+
+def test_signed_eval_result_verifies_only_untouched_and_with_this_key(ws_root):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    ws = Workspace.from_env()
+    key = signing.load_or_create_private_key(ws)
+    doc = signing.sign_block(key, {"run_id": "e/20260101-0000-a", **_result()}, signing.EVAL_SCHEMA)
+    pub = signing.load_public_key(ws)
+    assert gate.verify_evaluation(json.loads(json.dumps(doc)), pub, "r.json")["task_accuracy"] == 0.9
+    with pytest.raises(signing.BadSignature, match="does not verify: it was written or edited after the eval role signed it"):
+        gate.verify_evaluation({**doc, "task_accuracy": 0.95}, pub, "r.json")
+    with pytest.raises(signing.BadSignature, match="not this workspace's eval key"):
+        gate.verify_evaluation(signing.sign_block(Ed25519PrivateKey.generate(), {"x": 1}, signing.EVAL_SCHEMA), pub, "r.json")
+    # a verdict block is not an evaluation, and the reverse
+    with pytest.raises(signing.BadSignature, match="schema 'finetune-mcp/verdict/v1'"):
+        gate.verify_evaluation(signing.sign_block(key, {"x": 1}), pub, "r.json")
+    with pytest.raises(signing.BadSignature, match="malformed"):
+        gate.verify_evaluation({k: v for k, v in doc.items() if k != "signature"}, pub, "r.json")

@@ -1,4 +1,5 @@
-"""The path guard, tested directly: traversal, outside paths, symlinks into eval/, prefixes, NUL, length, races."""
+"""The path guard, tested directly: traversal, outside paths, symlinks into eval/, prefixes, NUL, length, races,
+the eval-owned places of the layout (eval/, keys, verdicts), git internals and hard links."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def setup(tmp_path):
     data.mkdir()
     (data / "train.jsonl").write_text("{}\n")
     ws = Workspace(root=root, output_root=root / "outputs" / "trainings")
+    (ws.eval_dir("m-SFT-t") / "results").mkdir(parents=True)
+    (ws.eval_dir("m-SFT-t") / "prompts.jsonl").write_text('{"prompt": "p", "expected": "e"}\n')
     train = Guard(load_policy("training-engineer"), ws, [data])
     evalg = Guard(load_policy("eval-engineer"), ws, [data])
     return root, exp, data, train, evalg, tmp_path
@@ -59,25 +62,100 @@ def test_data_dirs_are_read_only(setup):
 
 def test_eval_refused_for_training_role(setup):
     root, exp, data, g, ev, _ = setup
-    for p in (exp / "eval", exp / "eval" / "goldens.jsonl", exp / "eval" / "new.jsonl"):
+    suite = root / "eval" / "m-SFT-t"
+    legacy = [exp / "eval", exp / "eval" / "goldens.jsonl", exp / "eval" / "new.jsonl"]  # a suite left inside the experiment
+    for p in legacy + [root / "eval", suite, suite / "prompts.jsonl", suite / "results" / "20260101-0000-a.json", suite / "reports" / "x.md",
+                       root / ".finetune-mcp-keys" / "verdict-ed25519.key", "eval/m-SFT-t/prompts.jsonl"]:
         with pytest.raises(Forbidden, match="training-engineer role may not"):
             g.check_read(p)
         with pytest.raises(Forbidden):
             g.check_write(p)
-    # the eval role may write there
-    assert ev.check_write(exp / "eval" / "new.jsonl")
+    # the eval role writes its own places, never one inside a training-owned folder (a legacy suite included)
+    assert ev.check_write(suite / "new.jsonl") and ev.check_write(suite / "results" / "20260101-0000-a.json")
+    with pytest.raises(Forbidden, match="eval-engineer role writes only"):
+        ev.check_write(exp / "eval" / "new.jsonl")
 
 
 def test_promotion_report_refused_anywhere(setup):
     root, exp, data, g, ev, _ = setup
     run = root / "outputs" / "trainings" / "m-SFT-t" / "20260101-0000-a"
     run.mkdir(parents=True)
-    with pytest.raises(Forbidden):
-        g.check_write(run / "promotion-report.md")
+    verdict = root / "verdicts" / "m-SFT-t" / "20260101-0000-a" / "promotion-report.md"
+    verdict.parent.mkdir(parents=True)
+    verdict.write_text("signed")
+    for p in (run / "promotion-report.md", verdict, verdict.parent / "other.md", root / "verdicts"):
+        with pytest.raises(Forbidden, match="may not write"):
+            g.check_write(p)
     with pytest.raises(Forbidden):
         g.write_text(run / "promotion-report.md", "PROMOTE")
     assert not (run / "promotion-report.md").exists()
-    assert ev.check_write(run / "promotion-report.md")
+    # the verdict is readable (export verifies it); the eval role writes it in verdicts/ only, not in the run folder
+    assert g.check_read(verdict) == verdict.resolve()
+    assert ev.check_write(verdict)
+    with pytest.raises(Forbidden, match="eval-engineer role writes only"):
+        ev.check_write(run / "promotion-report.md")
+
+
+def test_git_internals_refused_for_training_role(setup):
+    """A repository's objects hold every file it ever had: no tool of the training role reads or writes them."""
+    root, exp, data, g, ev, _ = setup
+    git = root / "experiments" / ".git"
+    (git / "objects" / "ab").mkdir(parents=True)
+    (git / "objects" / "ab" / "cdef").write_bytes(b"x")
+    for p in (git, git / "objects" / "ab" / "cdef", git / "config", root / "eval" / "m-SFT-t" / ".git" / "HEAD", exp / ".git"):
+        with pytest.raises(Forbidden, match=r"policy: \*\*/\.git|policy: eval"):
+            g.check_read(p)
+        with pytest.raises(Forbidden):
+            g.check_write(p)
+    with pytest.raises(Forbidden, match=r"policy: \*\*/\.git"):
+        ev.check_write(root / "eval" / "m-SFT-t" / ".git" / "config")
+    assert g.check_read(exp / "configs")  # .github, .gitignore and the like are not git internals
+    assert g.check_write(exp / ".gitignore") and g.check_write(exp / ".github" / "x.yml")
+
+
+def test_hard_link_refused_in_reads_and_writes(setup):
+    """A second name of the suite, planted where the training role may look, is refused whatever its path, saying why."""
+    root, exp, data, g, ev, _ = setup
+    suite = root / "eval" / "m-SFT-t" / "prompts.jsonl"
+    planted = data / "innocent.jsonl"
+    os.link(suite, planted)
+    with pytest.raises(Forbidden, match=r"is a hard link: the file has 2 names \(st_nlink 2\)") as e:
+        g.check_read(planted)
+    assert "another name of the same file may lie where the training-engineer role may not look" in str(e.value)
+    assert "cp FILE COPY" in e.value.fix
+    with pytest.raises(Forbidden, match="is a hard link"):
+        g.read_bytes(planted)
+    inside = exp / "configs" / "run.yaml"
+    os.link(suite, inside)
+    with pytest.raises(Forbidden, match="is a hard link"):
+        g.check_write(inside)
+    # a folder that is read is refused when a file below it has another name
+    with pytest.raises(Forbidden, match=r"holds a hard link: .*innocent.jsonl has 3 names"):
+        g.check_read(data)
+    # every role: the eval role is refused the same file
+    with pytest.raises(Forbidden, match="is a hard link"):
+        ev.check_read(suite)
+    # an ordinary copy is fine, and so is the folder once the extra names are gone
+    planted.unlink()
+    inside.unlink()
+    (data / "copy.jsonl").write_bytes(suite.read_bytes())
+    assert g.check_read(data / "copy.jsonl") and g.check_read(data)
+
+
+def test_hard_link_made_between_check_and_read_is_refused(setup, monkeypatch):
+    root, exp, data, g, _, _ = setup
+    f = data / "train.jsonl"
+    real_check = g.check_read
+
+    def racing_check(path, what="path"):
+        r = real_check(path, what)
+        os.link(root / "eval" / "m-SFT-t" / "prompts.jsonl", data / "swap.jsonl")
+        os.replace(data / "swap.jsonl", f)
+        return r
+
+    monkeypatch.setattr(g, "check_read", racing_check)
+    with pytest.raises(Forbidden, match="is a hard link"):
+        g.read_bytes(f)
 
 
 def test_symlink_into_eval_refused(setup):

@@ -120,6 +120,11 @@ def test_smollm2_prepare_preflight_train(smol_root):
     assert ev["eval_loss"] < ev["base_eval_loss"], (ev["eval_loss"], ev["base_eval_loss"])
     assert ev["drift"]["kl"] > 0 and ev["drift"]["perplexity_ratio"] > 0
     assert verdict["verdict"] == "PROMOTE"
-    # Export: the merged model answers the golden prompts exactly as base + adapter did.
+    # Export: the float32 model merged and rounded to bfloat16 is held to the 16-bit criterion (not to identical answers,
+    # which rounding may break at a near-tie): every token it generated is one the float32 base + adapter ranked within
+    # 0.5 nats of its own greedy choice, measured per golden.
     items = export["smoke_test"]["items"]
-    assert export["exported"] and export["smoke_test"]["passed"] and len(items) == 3 and all(i["identical"] for i in items)
+    assert export["exported"] and export["smoke_test"]["passed"] and len(items) == 3, export["summary"]
+    assert "within 0.5 nats" in export["smoke_test"]["criterion"]
+    assert all(i["meets_criterion"] and 0.0 <= i["max_logit_gap"] <= 0.5 and (i["first_divergence"] is None) == i["identical"]
+               for i in items), items

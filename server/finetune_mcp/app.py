@@ -290,3 +290,73 @@ def build_http_app(tokens: dict[str, str], ws: Workspace | None = None, data_dir
         await apps[role](scope, receive, send)
 
     return app
+
+
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+
+
+def bounded_http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S):
+    """uvicorn's HTTP protocol with a deadline on receiving each request, token or not.
+
+    uvicorn times out only an idle keep-alive connection, and any byte that arrives cancels that: a client
+    that trickles a request head, or a body after valid headers, holds its connection (and for a body, a task)
+    for ever. Here a request's head must be complete within header_timeout_s of the connection opening or of
+    the previous response ending, and its body within body_timeout_s of its head; else the server answers
+    408 (unless a response has started) and closes the connection. Responses themselves are not bounded:
+    a GET's event stream lasts as long as the session.
+    """
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    body = b"request not received in time\n"
+    late = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+    class BoundedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _deadline = None
+        _waiting_for = None  # "head" or "body"
+
+        def _arm(self, what: str) -> None:
+            self._disarm()
+            self._waiting_for = what
+            self._deadline = self.loop.call_later(header_timeout_s if what == "head" else body_timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self._waiting_for = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or not cycle.response_started:
+                self.transport.write(late)
+            self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm("head")
+
+        def data_received(self, data: bytes) -> None:
+            before = self.cycle
+            super().data_received(data)
+            cycle = self.cycle
+            if self.transport.is_closing():
+                self._disarm()
+            elif cycle is not None and cycle is not before:  # a new request's head is in
+                self._arm("body") if cycle.more_body else self._disarm()
+            elif self._waiting_for == "body" and cycle is not None and not cycle.more_body:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm("head")
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return BoundedHTTPProtocol

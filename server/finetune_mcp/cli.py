@@ -42,17 +42,21 @@ def cmd_serve(args) -> int:
 
             build_server(args.role, data_dirs=_data_dirs(args)).run("stdio")
             return 0
-        from finetune_mcp.app import build_http_app, load_tokens
+        from finetune_mcp.app import bounded_http_protocol, build_http_app, load_tokens
 
         tokens = load_tokens(args.tokens_file, os.environ.get("FINETUNE_MCP_TOKENS"))
         if not tokens:
             print("finetune-mcp: HTTP needs bearer tokens: --tokens-file FILE or FINETUNE_MCP_TOKENS=token=role,...", file=sys.stderr)
             return 2
+        if not (args.header_timeout > 0 and args.body_timeout > 0):
+            print("finetune-mcp: --header-timeout and --body-timeout are seconds, more than 0", file=sys.stderr)
+            return 2
         import uvicorn
 
         app = build_http_app(tokens, data_dirs=_data_dirs(args))
         # access_log off: request lines would be harmless, but nothing token-bearing is ever logged.
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                    http=bounded_http_protocol(args.header_timeout, args.body_timeout))
         return 0
     except FtError as e:
         print(f"finetune-mcp: {e}", file=sys.stderr)
@@ -171,6 +175,31 @@ def cmd_models_list(args) -> int:
     return 0
 
 
+def cmd_setup_roles(args) -> int:
+    """The two-user layout on a workspace (osroles.py): prints what it changed, nothing when there was nothing to do."""
+    from finetune_mcp.errors import FtError
+    from finetune_mcp.osroles import server_commands, setup_roles, warnings
+    from finetune_mcp.workspace import Workspace
+
+    env = dict(os.environ)
+    if args.root:
+        env["DGX_SPARK_ROOT"] = args.root
+    ws = Workspace.from_env(env)
+    try:
+        changed = setup_roles(ws, args.eval_user, args.training_user)
+    except FtError as e:
+        print(f"finetune-mcp setup-roles: {e}", file=sys.stderr)
+        return 2
+    for line in changed:
+        print(line)
+    training = args.training_user or os.environ.get("SUDO_USER")
+    for w in warnings(ws, args.eval_user, training):
+        print(f"warning: {w}", file=sys.stderr)
+    if changed:
+        print("\nrun each server as its user:\n  " + "\n  ".join(server_commands(ws, args.eval_user, training)))
+    return 0
+
+
 def cmd_toolref(args) -> int:
     from finetune_mcp.toolref import render
 
@@ -188,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765)
     s.add_argument("--tokens-file", help="YAML {role: [token, ...]} for HTTP")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="HTTP: seconds a request's head may take to arrive, from the connection or the previous response (default 10)")
+    s.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="HTTP: seconds a request's body may take to arrive after its head (default 30)")
     s.add_argument("--data-dir", action="append", help="extra read-only folder the tools may read datasets and briefs from (repeatable)")
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(fn=cmd_serve)
@@ -229,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     ml.add_argument("--data-dir", action="append", help="also list model folders in this folder (repeatable)")
     ml.add_argument("--json", action="store_true")
     ml.set_defaults(fn=cmd_models_list)
+
+    sr = sub.add_parser("setup-roles", help="two OS users for the two roles: owners and modes of the workspace (run as root)")
+    sr.add_argument("--eval-user", required=True, help="the user the eval-engineer server runs as: owns eval/, verdicts/ and the signing key")
+    sr.add_argument("--training-user", help="the user of the training server, train.py and the agent's shell (default: $SUDO_USER)")
+    sr.add_argument("--root", help="the workspace (default: $DGX_SPARK_ROOT, else ~/dgx-spark)")
+    sr.set_defaults(fn=cmd_setup_roles)
 
     r = sub.add_parser("tool-reference", help="print the markdown tool reference the README embeds")
     r.set_defaults(fn=cmd_toolref)

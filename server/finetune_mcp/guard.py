@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,7 @@ class Guard:
         hit = self._deny_hit(real, root, self.policy.deny)
         if hit:
             raise Forbidden(f"the {self.policy.role} role may not access {str(path)!r} (policy: {hit})", where=str(real), fix=self._deny_fix())
+        self._refuse_hard_links(real, path, what, tree=True)
         return real
 
     def check_write(self, path: Any, what: str = "path") -> Path:
@@ -177,12 +179,46 @@ class Guard:
             raise Forbidden(f"the {self.policy.role} role may not write {str(path)!r} (policy: {hit})", where=str(real), fix=self._deny_fix())
         if self.policy.write_only is not None and not any(glob_match(real.relative_to(root).parts, p) for p in self.policy.write_only):
             raise Forbidden(f"the {self.policy.role} role writes only {', '.join(self.policy.write_only)}", where=str(real))
+        self._refuse_hard_links(real, path, what, tree=False)
         return real
 
     def _deny_fix(self) -> str:
         if self.policy.role == "training-engineer":
-            return "eval/ and promotion reports belong to the eval engineer; hand the run over for evaluation instead"
+            return ("eval/ (suites, eval reports, signed results), the keys, git internals and the verdicts belong to the eval engineer "
+                    "or to git; hand the run over for evaluation instead")
         return "this path belongs to another role"
+
+    def _hard_link_refusal(self, what: str, path: Any, f: Path, n: int, inside: bool) -> Forbidden:
+        lead = f"{what} {str(path)!r} holds a hard link: {f}" if inside else f"{what} {str(path)!r} is a hard link: the file"
+        return Forbidden(
+            f"{lead} has {n} names (st_nlink {n}). The guard judges a file by the path it is given, and another name of the same file "
+            f"may lie where the {self.policy.role} role may not look (an eval suite, a key), so a regular file with more than one hard "
+            "link is refused by every tool",
+            where=str(f),
+            fix="pass an independent copy instead (`cp FILE COPY` makes one; `ln` does not), or remove the file's other names",
+        )
+
+    def _refuse_hard_links(self, real: Path, path: Any, what: str, tree: bool) -> None:
+        """A regular file with st_nlink > 1 (and, for a folder that is read, any such file below it; links below are not followed)."""
+        try:
+            st = os.lstat(real)
+        except OSError:
+            return
+        if stat.S_ISREG(st.st_mode):
+            if st.st_nlink > 1:
+                raise self._hard_link_refusal(what, path, real, st.st_nlink, inside=False)
+            return
+        if not (tree and stat.S_ISDIR(st.st_mode)):
+            return
+        for top, _dirs, files in os.walk(real):
+            for name in files:
+                f = Path(top) / name
+                try:
+                    fst = os.lstat(f)
+                except OSError:
+                    continue
+                if stat.S_ISREG(fst.st_mode) and fst.st_nlink > 1:
+                    raise self._hard_link_refusal(what, path, f, fst.st_nlink, inside=True)
 
     # Writes re-check at the last moment and never follow a symlink planted after the check:
     # the temp file is created O_EXCL and rename() replaces a link rather than writing through it.
@@ -211,6 +247,9 @@ class Guard:
         except OSError as e:
             raise FtError(f"cannot read {str(path)!r}: {e.strerror}", where=str(real)) from None
         with os.fdopen(fd, "rb") as f:
+            n = os.fstat(f.fileno()).st_nlink
+            if n > 1:  # a second name made after the check
+                raise self._hard_link_refusal("path", path, real, n, inside=False)
             return f.read()
 
     def read_text(self, path: Any) -> str:

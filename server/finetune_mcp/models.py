@@ -34,7 +34,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 # Written by jobs/build_tiny_model.py next to the weights; a folder without it is not a finished build.
 BUILD_STAMP = "finetune-mcp-build.json"
 
-_HF_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_HF_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def resolve_base_model(name: str, base_models_dir: Path, hf_home: Path | None = 
         path = base_models_dir / embedded.name
         return ModelRef(name=embedded.name, path=path, hf_id=None, embedded=True, exists=embedded_is_built(path))
 
-    if not _HF_ID_RE.match(name) or ".." in name:
+    if not _HF_ID_RE.fullmatch(name) or ".." in name:
         raise BadInput(
             f"base model {raw!r} is neither an embedded model, a folder name under {base_models_dir}, nor an HF id",
             where="brief ## Base Model",

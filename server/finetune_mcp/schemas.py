@@ -81,6 +81,8 @@ class PrepareDatasetResult(Result):
     max_seq_length: int | None = Field(None, description="the length applied: the brief's, or the method recipe's default (then a warning gives the data's p99)")
     provenance: str | None = Field(None, description="synthetic | curated | mixed: decides whether the collapse guard fails or warns")
     tokens: dict[str, Any] | None = Field(None, description="tokens per record under the real template (p50, p95, p99, max) and the share over max_seq_length")
+    transformations: dict[str, Any] | None = Field(None, description="what the brief's long_records policy dropped or truncated and the exact "
+                                                   "duplicates removed, each with where (file:line) and why; the max_seq_length that keeps 95%/99%")
     dataset_dir: str | None = None
     counts: dict[str, int] = Field(default_factory=dict)
     problems: list[Problem] = Field(default_factory=list, description="listed one by one, up to the skill's listed_per_code per code and severity")
@@ -100,6 +102,8 @@ class PrepareDatasetResult(Result):
         if self.conversion and self.conversion.get("steps"):
             lines.append(f"Converted from the {self.conversion.get('source_shape')} shape: {' → '.join(self.conversion['steps'])} "
                          "(the dataset card says how, and that nothing was dropped)")
+        if self.transformations and self.transformations.get("line"):
+            lines.append("Lengths: " + self.transformations["line"])
         lines += ["", "Phase 2 exit checklist:"]
         lines += [f"  [{'x' if c.ok else ' '}] {c.item}\n        {c.evidence}" for c in self.checklist]
         errors = [p for p in self.problems if p.severity == "error"]
@@ -363,7 +367,7 @@ class CompareRow(_Model):
     best_loss: float | None = None
     best_step: int | None = None
     eval_loss: float | None = None
-    eval_accuracy: float | None = Field(default=None, description="task accuracy from the eval engineer's eval-report.md")
+    eval_accuracy: float | None = Field(default=None, description="task accuracy from the eval engineer's signed evaluation (the verdict's, for the training role)")
     wall_s: float | None = None
     tokens_per_s: float | None = None
     resumed_from: str | None = None
@@ -490,19 +494,24 @@ class DriftFigures(_Model):
 
 class EvaluateCheckpointArgs(Args):
     """Run the experiment's eval/ suite against the run's adapter and the base model: task accuracy with each
-    prompt's scorer and both answers side by side (eval/reports/), eval loss, and drift (KL to the base model on
-    general prompts, perplexity ratio on a general text) against the thresholds."""
+    prompt's scorer and both answers side by side (eval/<experiment>/reports/), eval loss, and drift (KL to the base
+    model on general prompts, perplexity ratio on a general text) against the thresholds. The result is signed with
+    the eval key into eval/<experiment>/results/<run>.json, where only the eval role writes."""
 
     run_id: RunRef
 
 
 class RecordVerdictArgs(Args):
-    """Write the run's promotion-report.md, signed (Ed25519) over run id, adapter digest, verdict and evidence digest."""
+    """Write the run's promotion-report.md under verdicts/<experiment>/<run>/, signed (Ed25519) over run id, adapter and
+    base model digests, verdict, evidence digest and the signed evaluation it rests on. Every check is recomputed from
+    that evaluation's signed figures; a PROMOTE against a failed check needs override_reason, which the verdict records."""
 
     run_id: RunRef
     verdict: Literal["PROMOTE", "REJECT"]
     evidence: Annotated[str, Field(min_length=1, description="what the verdict rests on (figures, eval report)")]
     top_remediation: Annotated[str, Field(description="for REJECT: the one change to try first")] = ""
+    override_reason: Annotated[str, Field(description="PROMOTE only: why the run is promoted although the evaluation fails a check "
+                                                      "(recorded in the signed verdict as an override)")] = ""
 
 
 class WriteEvalFileArgs(Args):
@@ -535,8 +544,9 @@ class EvalResult(Result):
     thresholds: dict[str, Any] = Field(default_factory=dict)
     passed: dict[str, bool] = Field(default_factory=dict)
     details: list[dict[str, Any]] = Field(default_factory=list)
-    report: str | None = None
-    side_by_side_report: str | None = Field(default=None, description="eval/reports/<run tag>.md: every answer, base beside fine-tuned")
+    report: str | None = Field(default=None, description="eval/<experiment>/reports/<run tag>.md: the figures, and every answer side by side")
+    side_by_side_report: str | None = Field(default=None, description="the same report (every answer, base beside fine-tuned)")
+    result: str | None = Field(default=None, description="eval/<experiment>/results/<run tag>.json: the signed evaluation result")
 
 
 class VerdictResult(Result):
@@ -545,6 +555,7 @@ class VerdictResult(Result):
     adapter_sha256: str
     report: str
     signed_at: str
+    override: dict[str, Any] | None = Field(default=None, description="set when a PROMOTE overrides failed checks: the reason and the checks")
 
 
 class WriteEvalFileResult(Result):

@@ -3,6 +3,8 @@
 The eval role signs; export verifies with the public key only. Keys live under
 $DGX_SPARK_ROOT/.finetune-mcp-keys/, a folder the training role's guard denies outright, so no tool
 argument of that role can read or replace them. The private key is created on first use, mode 0600.
+The same key signs evaluate_checkpoint's result (eval/<experiment>/results/<run>.json, schema
+EVAL_SCHEMA): a JSON object whose "signature" covers canonical(the object without "signature").
 
 Machine block: the only fenced ```json block that follows the line MARKER in the report. It holds
 one JSON object; "signature" is base64 of the Ed25519 signature over canonical(payload), where
@@ -27,6 +29,7 @@ KEY_DIR = ".finetune-mcp-keys"
 PRIVATE_NAME = "verdict-ed25519.key"
 PUBLIC_NAME = "verdict-ed25519.pub"
 SCHEMA = "finetune-mcp/verdict/v1"
+EVAL_SCHEMA = "finetune-mcp/eval-result/v1"
 MARKER = "<!-- finetune-mcp:signed-verdict (edit nothing below: the signature covers it) -->"
 _BLOCK = re.compile(re.escape(MARKER) + r"\s*```json\n(.*?)\n```", re.S)
 
@@ -36,7 +39,7 @@ class BadSignature(Refused):
 
 
 def key_dir(ws: Workspace) -> Path:
-    return ws.root / KEY_DIR
+    return ws.keys_dir
 
 
 def canonical(payload: dict[str, Any]) -> bytes:
@@ -81,8 +84,9 @@ def load_or_create_private_key(ws: Workspace):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     d = key_dir(ws)
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    priv_path, pub_path = d / PRIVATE_NAME, d / PUBLIC_NAME
+    # 0711: the training user reaches the public half by its name (export verifies), never lists or reads the rest.
+    d.mkdir(mode=0o711, parents=True, exist_ok=True)
+    priv_path, pub_path = ws.private_key_path, ws.public_key_path
     if not priv_path.exists():
         key = Ed25519PrivateKey.generate()
         pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
@@ -112,7 +116,7 @@ def load_public_key(ws: Workspace):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-    pub_path = key_dir(ws) / PUBLIC_NAME
+    pub_path = ws.public_key_path
     try:
         key = serialization.load_pem_public_key(pub_path.read_bytes())
     except FileNotFoundError:
@@ -128,12 +132,39 @@ def load_public_key(ws: Workspace):
     return key
 
 
-def sign_block(private_key, payload: dict[str, Any]) -> dict[str, Any]:
-    """payload + key_id + signature, ready to render."""
-    body = {**payload, "schema": SCHEMA, "key_id": key_id(private_key.public_key())}
+def sign_block(private_key, payload: dict[str, Any], schema: str = SCHEMA) -> dict[str, Any]:
+    """payload + schema + key_id + signature, ready to render (or to write as JSON)."""
+    body = {**payload, "schema": schema, "key_id": key_id(private_key.public_key())}
     body.pop("signature", None)
     sig = private_key.sign(canonical(body))
     return {**body, "signature": base64.b64encode(sig).decode("ascii")}
+
+
+def verify_signed(doc: Any, public_key, schema: str, where: str, what: str, fix: str) -> dict[str, Any]:
+    """doc without its signature once it verifies under this workspace's eval key, else BadSignature naming what is wrong."""
+    from cryptography.exceptions import InvalidSignature
+
+    if not isinstance(doc, dict):
+        raise BadSignature(f"{what} is not a JSON object", where=where, fix=fix)
+    body = dict(doc)
+    try:
+        sig = base64.b64decode(body.pop("signature"), validate=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadSignature(f"{what} is malformed ({type(e).__name__}: {e})", where=where, fix=fix) from None
+    if body.get("schema") != schema:
+        raise BadSignature(f"{what} has schema {body.get('schema')!r}, expected {schema!r}", where=where, fix=fix)
+    if body.get("key_id") != key_id(public_key):
+        raise BadSignature(
+            f"{what} was signed with key {body.get('key_id')!r}, not this workspace's eval key {key_id(public_key)!r}",
+            where=where,
+            fix="it must come from the eval-engineer server of this workspace; " + fix,
+        )
+    try:
+        public_key.verify(sig, canonical(body))
+    except InvalidSignature:
+        raise BadSignature(f"the signature of {what} does not verify: it was written or edited after the eval role signed it",
+                           where=where, fix=fix) from None
+    return body
 
 
 def render_block(block: dict[str, Any]) -> str:

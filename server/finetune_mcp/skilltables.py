@@ -299,7 +299,7 @@ class SignalCheck(Strict):
 
 
 RecordsRule = Literal["nonfinite-loss", "nonfinite-grad-norm", "loss-zero-grad-nan", "loss-spike", "loss-rise",
-                      "grad-norm-explosion", "loss-scale-collapse", "flat-loss"]
+                      "grad-norm-explosion", "loss-scale-collapse", "loss-scale-halving", "flat-loss"]
 FailureClass = Literal["environment", "divergence", "oom", "none"]
 
 
@@ -309,6 +309,7 @@ class FailureSignal(Strict):
     priority: int = Field(ge=0, le=100, description="the highest-priority matching signal decides the class")
     patterns: list[str] = Field(default_factory=list, description="regexes searched in each log line")
     ignore_case: bool = False
+    unless: list[str] = Field(default_factory=list, description="a matching line that also matches one of these is not this signal")
     exit_codes: list[int] = Field(default_factory=list, description="exit statuses that show this signal")
     exit_signals: list[int] = Field(default_factory=list, description="terminating signals that show this signal")
     records_rule: RecordsRule | None = None
@@ -325,6 +326,7 @@ class FailureSignal(Strict):
     @_model_validator(mode="after")
     def _consistent(self):
         _compiles(self.patterns, _re.I if self.ignore_case else 0)
+        _compiles(self.unless, _re.I if self.ignore_case else 0)
         if not (self.patterns or self.exit_codes or self.exit_signals or self.records_rule or self.stop_request):
             raise ValueError(f"signal {self.id!r} has nothing to detect it: give patterns, exit_codes/exit_signals, records_rule or stop_request")
         if (self.failure_class == "none") != (self.none_kind is not None):
@@ -369,6 +371,9 @@ class RecordRules(Strict):
     zero_loss_run: int = Field(ge=2, description="this many logged losses of exactly 0 in a row: nothing is trained")
     grad_norm_max: float = Field(gt=0)
     loss_scale_floor: float = Field(gt=0, description="a dynamic loss scale cut to this or below has collapsed")
+    scale_halving_run: int = Field(3, ge=2, description="this many halvings of the loss scale in a row, once settled, is fp16 overflow")
+    scale_settled_logs: int = Field(2, ge=1, description="logged scales without a cut before a halving run counts (not the scaler's start-up search)")
+    kill_memory_fraction: float = Field(0.5, gt=0, le=1, description="a kill with memory in use below this fraction of the limit is not evidence of OOM")
 
 
 class FallbackRule(Strict):
@@ -627,8 +632,10 @@ class ExportFormat(Strict):
     id: Literal["lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"]
     posture: Literal["lora", "merged"] = Field(description="adapter kept apart, or merged into the base weights")
     container: Literal["safetensors", "gguf"]
-    lossless: bool = Field(description="true: the smoke test demands identical greedy outputs")
-    min_similarity: float | None = Field(default=None, ge=0.0, le=1.0, description="lossy formats: per-golden similarity floor")
+    lossless: bool = Field(description="true: the artifact computes exactly what was evaluated; the smoke test demands identical greedy outputs")
+    max_tie_margin: float | None = Field(default=None, gt=0.0, description="16-bit downcasts: every token the artifact chooses is "
+                                         "ranked by the float32 reference within this many nats of its own greedy choice")
+    min_similarity: float | None = Field(default=None, ge=0.0, le=1.0, description="quantized formats: per-golden similarity floor")
     bits_per_weight: float | None = Field(default=None, gt=0)
     llama_ftype: str | None = Field(default=None, description="llama.cpp file type name for llama_model_quantize")
     trade_off: str
@@ -636,10 +643,9 @@ class ExportFormat(Strict):
 
     @_qe_model_validator(mode="after")
     def _threshold(self):
-        if not self.lossless and self.min_similarity is None:
-            raise ValueError(f"{self.id}: a lossy format needs min_similarity")
-        if self.lossless and self.min_similarity is not None:
-            raise ValueError(f"{self.id}: a lossless format is judged by identity, not min_similarity")
+        if self.lossless + (self.max_tie_margin is not None) + (self.min_similarity is not None) != 1:
+            raise ValueError(f"{self.id}: name exactly one smoke criterion: lossless (identical outputs), max_tie_margin "
+                             "(16-bit rounding) or min_similarity (quantization)")
         if (self.container == "gguf") != self.id.startswith("gguf-"):
             raise ValueError(f"{self.id}: container does not fit the id")
         return self

@@ -70,6 +70,32 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 JOB_TIMEOUT_DEFAULT_S = 3600.0  # a job that names no limit of its own (building the tiny model takes a minute)
 
+# A job outlives nothing it works for. Each job holds the read end of a pipe whose only write end this process
+# keeps (os.pipe's ends are not inherited across exec, so no run, tool or worker ever holds it): the kernel
+# closes it when this process ends, however it ends (kill -9 included), and the job's watchdog thread
+# (jobs/_proto.py) reads EOF, removes the job's scratch paths and kills the job's process group. A death
+# signal (PR_SET_PDEATHSIG) would not do: it fires when the *thread* that started the child ends (tool calls
+# run in pool threads that come and go), and it does not pass through the warm worker's fork. Detached
+# training runs get no lifeline: they are meant to outlive the server.
+LIFELINE_ENV = "FINETUNE_MCP_LIFELINE_FD"
+SCRATCH_ENV = "FINETUNE_MCP_SCRATCH"
+_lifeline: tuple[int, int, int] | None = None  # (pid, read end, write end)
+_lifeline_lock = threading.Lock()
+
+
+def lifeline_fd() -> int:
+    """The read end of this process's lifeline (made on first use, and anew in a forked child)."""
+    global _lifeline
+    with _lifeline_lock:
+        if _lifeline is None or _lifeline[0] != os.getpid():
+            r, w = os.pipe()
+            _lifeline = (os.getpid(), r, w)
+        return _lifeline[1]
+
+
+def _lifeline_env(env: dict[str, str], scratch: list[str]) -> dict[str, str]:
+    return {**env, LIFELINE_ENV: str(lifeline_fd()), SCRATCH_ENV: json.dumps(scratch)}
+
 
 def run_job(
     job: str,
@@ -80,6 +106,7 @@ def run_job(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     light: bool = False,
+    scratch: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run finetune_mcp.jobs.<job> in the training Python and return its result dict.
 
@@ -89,23 +116,33 @@ def run_job(
     only when one is already up and never starts one for itself.
     Raises the child's own FtError (BadInput, NotFound, ...) or JobFailed with the tail of its stderr.
     Every job has a time limit: `timeout`, else JOB_TIMEOUT_DEFAULT_S.
+    Every job ends when this process does (see LIFELINE_ENV); `scratch`: paths it writes (a staging folder)
+    that go with it then, since nobody is left to remove them. Its TMPDIR is a folder of its own, removed when
+    it ends either way: what its libraries leave there (wandb makes two folders at import) goes too.
     """
     timeout = timeout or JOB_TIMEOUT_DEFAULT_S
     py = python or train_python()
     full_env = child_env(env)
     warm = _warm_for(py, full_env, start=not light)
-    if warm is not None and (not light or warm.ready.is_set()):
-        try:
-            return warm.run(job, params, full_env, progress=progress, timeout=timeout)
-        except _WarmUnavailable:
-            pass
-    return _run_cold(job, params, py, full_env, progress, timeout)
+    tmp = tempfile.mkdtemp(prefix="finetune-mcp-job-tmp-")
+    job_env, scratch = {**full_env, "TMPDIR": tmp}, [*(scratch or []), tmp]
+    try:
+        if warm is not None and (not light or warm.ready.is_set()):
+            try:
+                return warm.run(job, params, job_env, progress=progress, timeout=timeout, scratch=scratch)
+            except _WarmUnavailable:
+                pass
+        return _run_cold(job, params, py, job_env, progress, timeout, scratch)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_cold(job: str, params: dict[str, Any], py: str, env: dict[str, str], progress: ProgressFn | None, timeout: float | None) -> dict[str, Any]:
+def _run_cold(job: str, params: dict[str, Any], py: str, env: dict[str, str], progress: ProgressFn | None, timeout: float | None,
+              scratch: list[str]) -> dict[str, Any]:
     cmd = [py, "-m", f"finetune_mcp.jobs.{job}"]
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=_lifeline_env(env, scratch),
+                                start_new_session=True, pass_fds=(lifeline_fd(),))
         timer = None
         if timeout:
             timer = threading.Timer(timeout, lambda: _kill_group(proc.pid))
@@ -204,9 +241,12 @@ class _Warm:
         self.dir = tempfile.mkdtemp(prefix="finetune-mcp-warm-")
         self.sock = os.path.join(self.dir, "s")
         self.err = open(os.path.join(self.dir, "zygote.err"), "wb")
+        # The worker itself watches its stdin for its parent; the lifeline is for the jobs it forks. Its TMPDIR
+        # is its own folder, which goes with it: what the preloads leave there (wandb makes two folders) too.
         self.proc = subprocess.Popen(
             [python, "-m", "finetune_mcp.jobs._zygote", self.sock],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, env=env, start_new_session=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, env={**env, "TMPDIR": self.dir}, start_new_session=True,
+            pass_fds=(lifeline_fd(),),
         )
         self.ready = threading.Event()
         self.info: dict[str, Any] = {}
@@ -227,7 +267,8 @@ class _Warm:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, job: str, params: dict[str, Any], env: dict[str, str], *, progress: ProgressFn | None, timeout: float | None) -> dict[str, Any]:
+    def run(self, job: str, params: dict[str, Any], env: dict[str, str], *, progress: ProgressFn | None, timeout: float | None,
+            scratch: list[str]) -> dict[str, Any]:
         started = time.monotonic()
         if not self.ready.wait(self.READY_TIMEOUT_S) or not self.alive() or not self.info:
             raise _WarmUnavailable()
@@ -243,7 +284,7 @@ class _Warm:
         reader = _Events(progress)
         timer = None
         try:
-            req = {"job": job, "params": params, "env": env, "cwd": os.getcwd(), "stderr": err_path}
+            req = {"job": job, "params": params, "env": _lifeline_env(env, scratch + [err_path]), "cwd": os.getcwd(), "stderr": err_path}
             conn.sendall((json.dumps(req) + "\n").encode())
             if timeout:
                 # The wait for the worker to come up counts against the job's own limit.

@@ -14,9 +14,9 @@ from typing import Any
 
 from finetune_mcp.errors import BadInput, FtError, NotFound
 
-TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
-RUN_ID_RE = re.compile(r"^\d{8}-\d{4}-[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
-EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,119}$")
+TAG_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,47}\Z")
+RUN_ID_RE = re.compile(r"\A\d{8}-\d{4}-[A-Za-z0-9][A-Za-z0-9._-]{0,47}\Z")
+EXPERIMENT_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,119}\Z")
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,69 @@ class Workspace:
             raise NotFound(f"no run {run_ref!r}", where=str(d), fix="use the run_id that launch_run returned (<experiment>/<YYYYMMDD-HHMM-tag>)")
         return d
 
+    # Eval-owned places (issue 30, helpers/GATE-LAYOUT.md): none lies inside a training-owned folder.
+
+    @property
+    def eval_root(self) -> Path:
+        return self.root / "eval"
+
+    def eval_dir(self, experiment: str) -> Path:
+        """The experiment's suite (prompts/goldens/drift.jsonl, eval.yaml), its own git repository."""
+        return self.eval_root / validate_experiment(experiment)
+
+    def eval_reports_dir(self, experiment: str) -> Path:
+        return self.eval_dir(experiment) / "reports"
+
+    def eval_report_path(self, experiment: str, run_id: str) -> Path:
+        """The eval report: figures and every prompt side by side (eval-only)."""
+        return self.eval_reports_dir(experiment) / f"{_run_part(run_id)}.md"
+
+    def eval_results_dir(self, experiment: str) -> Path:
+        return self.eval_dir(experiment) / "results"
+
+    def eval_result_path(self, experiment: str, run_id: str) -> Path:
+        """The signed evaluation result (finetune-mcp/eval-result/v1)."""
+        return self.eval_results_dir(experiment) / f"{_run_part(run_id)}.json"
+
+    def legacy_eval_dir(self, experiment: str) -> Path:
+        """Where the suite lived before issue 30 (inside the experiment); refused when present."""
+        return self.experiments_dir / validate_experiment(experiment) / "eval"
+
+    @property
+    def verdicts_root(self) -> Path:
+        return self.root / "verdicts"
+
+    def verdict_dir(self, experiment: str, run_id: str) -> Path:
+        return self.verdicts_root / validate_experiment(experiment) / _run_part(run_id)
+
+    def verdict_path(self, experiment: str, run_id: str) -> Path:
+        """The signed verdict, world-readable; export reads it as the training user."""
+        return self.verdict_dir(experiment, run_id) / "promotion-report.md"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.root / ".finetune-mcp-keys"
+
+    @property
+    def private_key_path(self) -> Path:
+        return self.keys_dir / "verdict-ed25519.key"
+
+    @property
+    def public_key_path(self) -> Path:
+        return self.keys_dir / "verdict-ed25519.pub"
+
     def ensure_dirs(self) -> None:
         for d in (self.experiments_dir, self.datasets_dir, self.base_models_dir, self.output_root):
             d.mkdir(parents=True, exist_ok=True)
+
+
+def _run_part(run_id: str) -> str:
+    """The YYYYMMDD-HHMM-tag part; a full <experiment>/<run> reference is accepted too."""
+    if isinstance(run_id, str) and "/" in run_id:
+        return parse_run_ref(run_id)[1]
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
+        raise BadInput(f"invalid run id {run_id!r}", where="run_id", fix="the run part is YYYYMMDD-HHMM-<tag>, as launch_run returned it")
+    return run_id
 
 
 def _safe_part(text: str, what: str) -> str:
@@ -87,13 +147,13 @@ def experiment_name(model: str, method: str, task: str) -> str:
 
 
 def validate_experiment(name: str) -> str:
-    if not isinstance(name, str) or not EXPERIMENT_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not EXPERIMENT_RE.fullmatch(name) or ".." in name:
         raise BadInput(f"invalid experiment name {name!r}", where="experiment", fix="use the name prepare_dataset returned: <Model>-<Method>-<Task>, letters, digits, '.', '_' and '-' only")
     return name
 
 
 def validate_tag(tag: str) -> str:
-    if not isinstance(tag, str) or not TAG_RE.match(tag):
+    if not isinstance(tag, str) or not TAG_RE.fullmatch(tag):
         raise BadInput(
             f"invalid run tag {tag!r}",
             where="tag",
@@ -112,15 +172,31 @@ def parse_run_ref(run_ref: str) -> tuple[str, str]:
         raise BadInput(f"invalid run id {run_ref!r}", where="run_id", fix="a run is addressed as <experiment>/<YYYYMMDD-HHMM-tag>, as launch_run returned it")
     experiment, run_id = run_ref.split("/")
     validate_experiment(experiment)
-    if not RUN_ID_RE.match(run_id):
+    if not RUN_ID_RE.fullmatch(run_id):
         raise BadInput(f"invalid run id {run_id!r} in {run_ref!r}", where="run_id", fix="the run part is YYYYMMDD-HHMM-<tag>, as launch_run returned it")
     return experiment, run_id
 
 
 # ---------------------------------------------------------------- atomic writes
 
+def process_umask() -> int:
+    """The umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -> Path:
-    """Write via a temp file in the same directory + rename, so readers never see a partial file."""
+    """Write via a temp file in the same directory + rename, so readers never see a partial file.
+
+    Without a mode the file gets what a plain open() would give (0o666 less the umask), not mkstemp's 0600:
+    with the roles as two OS users, the eval user reads the run's config and brief the training user wrote."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -129,8 +205,7 @@ def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, mode if mode is not None else 0o666 & ~process_umask())
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
@@ -222,7 +297,8 @@ def ensure_repo(repo: Path) -> Path:
     repo.mkdir(parents=True, exist_ok=True)
     if not (repo / ".git").exists():
         git(repo, "init", "-q", "-b", "main")
-        atomic_write_text(repo / ".gitignore", "# experiments hold code and config only (layout seed)\n*.safetensors\n*.bin\n*.gguf\ncheckpoints/\n")
+        # eval/: a suite must never enter this repository, which the training side reads (it lives in $DGX_SPARK_ROOT/eval/).
+        atomic_write_text(repo / ".gitignore", "# experiments hold code and config only (layout seed)\n*.safetensors\n*.bin\n*.gguf\ncheckpoints/\neval/\n")
         git(repo, "add", ".gitignore")
         git(repo, "commit", "-q", "-m", "Initialise experiments repository")
     return repo

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import stat
 import sys
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -31,9 +35,51 @@ class JobError(Exception):
         self.kind, self.message, self.where, self.fix = kind, message, where, fix
 
 
+def _watch_parent() -> None:
+    """End this job, its process group and its scratch paths when the server that started it is gone.
+
+    finetune_mcp.worker passes the read end of a pipe only the server can write to (FINETUNE_MCP_LIFELINE_FD):
+    a read returns EOF the moment the server has ended, however it ended. The job leads its own process group
+    (a cold job's own session, a warm child's setsid), so the group is the job and what it started (a pool of
+    forked workers). The variables are taken out of the environment so nothing the job starts inherits them.
+    """
+    fd = os.environ.pop("FINETUNE_MCP_LIFELINE_FD", None)
+    scratch = os.environ.pop("FINETUNE_MCP_SCRATCH", None)
+    if not fd:
+        return
+    try:
+        fd_n = int(fd)
+        paths = [str(p) for p in json.loads(scratch or "[]")]
+        if not stat.S_ISFIFO(os.fstat(fd_n).st_mode):  # not the pipe it was meant to be: nothing to watch
+            return
+    except (ValueError, OSError, TypeError):
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(fd_n, 1):  # nothing is ever written: only the end of the pipe comes
+                pass
+        except OSError:
+            pass
+        for p in paths:
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="finetune-mcp-lifeline", daemon=True).start()
+
+
 def run_main(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Read params from stdin, call fn, print the result. Library chatter on stdout goes to stderr."""
     global _out
+    _watch_parent()
     _out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     # Keep stray prints from libraries off the protocol channel.
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())

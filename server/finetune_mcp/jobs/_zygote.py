@@ -16,7 +16,9 @@ The zygote itself runs no job code and touches no tokenizer, tensor or thread po
 child starts from freshly imported libraries, the state torch's own fork-started DataLoader workers start
 from (the imports leave two native helper threads, torch's and pyarrow's jemalloc, both fork-aware). It exits when its parent goes away (stdin
 reaches EOF), when told to (a line "exit" on stdin), or after FINETUNE_MCP_WORKER_IDLE_S seconds
-with no job running (default 900), giving its memory back.
+with no job running (default 900), giving its memory back; the folder worker.py made for SOCKET goes with it
+(nobody else is left to remove it when the parent was killed). A job it forked lives on until it ends or the
+server is gone (worker.py's lifeline, which every child inherits: jobs/_proto.py watches it).
 
 Stdlib only (the preloads are optional): this runs in the training Python.
 """
@@ -28,6 +30,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -97,6 +100,8 @@ def _child(conn: socket.socket, req: dict, keep: list) -> None:
         if req.get("env") is not None:  # exactly the environment a cold start would have had
             os.environ.clear()
             os.environ.update(req["env"])
+            if "tempfile" in sys.modules:  # the job's own TMPDIR, not the one the preloads cached
+                sys.modules["tempfile"].tempdir = None
         if req.get("cwd"):
             os.chdir(req["cwd"])
         code = 0
@@ -180,6 +185,9 @@ def main() -> None:
             os.unlink(path)
         except OSError:
             pass
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.basename(folder).startswith("finetune-mcp-warm-"):
+            shutil.rmtree(folder, ignore_errors=True)
         # Jobs still running belong to the parent now (each has its own session); their connections
         # close with us, which the parent reads as an ending without an exit record.
         os._exit(0)

@@ -244,12 +244,23 @@ def build(target_dir: str | os.PathLike | None = None, seed: int = 0, progress: 
         tokenizer.save_pretrained(tmp)
         stamp = {**_stamp_for(seed), "files": _digests(tmp)}
         (tmp / STAMP_NAME).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+        _usual_modes(tmp)
         _swap_into_place(tmp, target, seed)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     progress(3, 3, f"built {target}")
     return _result(target, built=True)
+
+
+def _usual_modes(folder: Path) -> None:
+    """mkdtemp makes a 0700 folder and safetensors writes 0600: give the model the umask's usual modes, so that an
+    eval role running as another OS user (finetune-mcp setup-roles) can load it."""
+    from finetune_mcp.workspace import process_umask
+
+    mask = process_umask()
+    for p in [folder, *folder.rglob("*")]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def _swap_into_place(tmp: Path, target: Path, seed: int) -> None:

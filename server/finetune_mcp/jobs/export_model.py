@@ -9,7 +9,9 @@ Params (JSON on stdin):
   max_new_tokens            as used at evaluation
   export_dir, merged_dir    the run's export/ and merged/
   name                      file name stem for GGUF artifacts
-  lossless, min_similarity  the smoke criterion (format map)
+  lossless, max_tie_margin, min_similarity
+                            the smoke criterion (format map): identical outputs; every token the artifact chose
+                            within max_tie_margin nats of the float32 reference's greedy choice; similarity floor
   llama_ftype               e.g. LLAMA_FTYPE_MOSTLY_Q8_0 for quantized GGUF
   converter                 path of llama.cpp's convert_hf_to_gguf.py (GGUF only)
   pre_tokenizer             llama.cpp pre-tokenizer name to use when the converter does not know the
@@ -17,7 +19,8 @@ Params (JSON on stdin):
   modelfile                 write an Ollama Modelfile beside the GGUF
 
 Pre-export outputs come from base + adapter in transformers (float32), generated exactly as
-evaluate_checkpoint generates them; the artifact's outputs are diffed against them.
+evaluate_checkpoint generates them; the artifact's outputs are diffed against them. For a 16-bit
+downcast the same reference also scores the artifact's own answers token by token (`logit_gaps`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
-from finetune_mcp.jobs.evaluate import generate_golden_batch, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model
+from finetune_mcp.jobs.evaluate import generate_ids, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model, stop_ids
 
 CONVERTER_TIMEOUT_S = 4 * 3600.0
 
@@ -143,14 +146,46 @@ def similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first generated token where two answers part, None when they are the same tokens."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def logit_gaps(model, tok, prompt: Any, tokens: list[int], end_ids: list[int]) -> list[float]:
+    """Per token an artifact generated (its stop included): how far the reference ranks it below the reference's own
+    greedy choice, in nats (its top logit minus this token's), given the same preceding tokens; 0 where they agree.
+
+    Rounding weights to 16 bits moves logits by a few hundredths: it can flip a greedy near-tie, after which the
+    answers part for good while every token stays one the reference itself nearly chose. A wrong artifact (lost
+    adapter, corrupt weights, wrong tokenizer) picks tokens the reference ranks whole nats lower. `end_ids`: the stop
+    the artifact ended on (any of them, when the runtime reports only that it stopped), empty when cut by length.
+    """
+    import torch
+
+    q = prompt_ids(tok, prompt)
+    seq = q + list(tokens) + end_ids[:1]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([seq], device=model.device)).logits[0, len(q) - 1:len(seq) - 1].float()
+    top = logits.max(-1).values
+    gaps = [float(top[i] - logits[i, t]) for i, t in enumerate(tokens)]
+    if end_ids:
+        gaps.append(min(float(top[-1] - logits[-1, e]) for e in end_ids))
+    return gaps
+
+
 # ---------------------------------------------------------------- runtimes
 
 
 def _smoke_transformers(model, tok, goldens, mnt) -> list[dict[str, Any]]:
-    return [{"output": text, "tokens": toks} for text, toks in generate_golden_batch(model, tok, [g["prompt"] for g in goldens], mnt)]
+    """The goldens as one batch, as evaluation records them (see evaluate.generate_golden_batch)."""
+    ids = [prompt_ids(tok, g["prompt"]) for g in goldens]
+    return [{"output": text, "tokens": toks, "end_ids": [end] if end is not None else []}
+            for text, toks, end in generate_ids(model, tok, ids, mnt, max(1, len(ids)))]
 
 
-def _smoke_llama_cpp(gguf: Path, tok, goldens, mnt, threads: int) -> list[dict[str, Any]]:
+def _smoke_llama_cpp(gguf: Path, tok, goldens, mnt, threads: int, stops: list[int]) -> list[dict[str, Any]]:
     from llama_cpp import Llama
 
     lens = [len(prompt_ids(tok, g["prompt"])) for g in goldens]
@@ -163,7 +198,11 @@ def _smoke_llama_cpp(gguf: Path, tok, goldens, mnt, threads: int) -> list[dict[s
             ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
             r = llm.create_completion(prompt=ids, max_tokens=mnt, temperature=0.0, top_k=1, top_p=1.0, min_p=0.0,
                                       repeat_penalty=1.0, seed=0)
-            out.append({"output": r["choices"][0]["text"], "finish_reason": r["choices"][0].get("finish_reason"),
+            text_out, finish = r["choices"][0]["text"], r["choices"][0].get("finish_reason")
+            # The answer's ids as the HF tokenizer reads its text (llama.cpp reports text): a tokenization other than
+            # the generated one can only score worse, never hide a wrong token.
+            out.append({"output": text_out, "finish_reason": finish, "tokens": tok(text_out, add_special_tokens=False)["input_ids"],
+                        "end_ids": stops if finish == "stop" else [],
                         "tokenizer_match": ids == prompt_ids(tok, g["prompt"])})
     finally:
         llm.close() if hasattr(llm, "close") else None
@@ -184,7 +223,7 @@ def _vllm_unavailable() -> str | None:
     return None
 
 
-def _smoke_vllm(model_dir: str, adapter: str | None, tok, goldens, mnt) -> list[dict[str, Any]]:
+def _smoke_vllm(model_dir: str, adapter: str | None, tok, goldens, mnt, stops: list[int]) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams
 
     kwargs = {"enable_lora": True} if adapter else {}
@@ -198,7 +237,10 @@ def _smoke_vllm(model_dir: str, adapter: str | None, tok, goldens, mnt) -> list[
     out = []
     for g in goldens:
         res = llm.generate({"prompt_token_ids": prompt_ids(tok, g["prompt"])}, sp, lora_request=lora, use_tqdm=False)
-        out.append({"output": res[0].outputs[0].text})
+        o = res[0].outputs[0]
+        toks = list(o.token_ids)
+        end = [toks.pop()] if toks and toks[-1] in stops else (stops if o.finish_reason == "stop" else [])
+        out.append({"output": o.text, "tokens": toks, "end_ids": end})
     return out
 
 
@@ -236,6 +278,7 @@ def export(params: dict[str, Any]) -> dict[str, Any]:
     emit_progress(0, 4, "pre-export outputs: base + adapter in transformers")
     ref = load_adapted(base_model, adapter_dir)
     pre = _smoke_transformers(ref, tok, goldens, mnt)
+    stops = stop_ids(tok, ref)
 
     work = Path(tempfile.mkdtemp(prefix=f".export-{fmt}-", dir=export_dir))
     try:
@@ -318,13 +361,13 @@ def export(params: dict[str, Any]) -> dict[str, Any]:
         if smoke_rt == "transformers":
             post = _smoke_transformers(model_for_smoke, tok, goldens, mnt)
         elif smoke_rt == "llama.cpp":
-            post = _smoke_llama_cpp(art, tok, goldens, mnt, threads)
+            post = _smoke_llama_cpp(art, tok, goldens, mnt, threads, stops)
         elif smoke_rt == "vllm":
             why = _vllm_unavailable()
             if why:
                 smoke["reason"] = why
             else:
-                post = _smoke_vllm(str(art) if fmt != "lora" else resolve_model(base_model), str(art) if fmt == "lora" else None, tok, goldens, mnt)
+                post = _smoke_vllm(str(art) if fmt != "lora" else resolve_model(base_model), str(art) if fmt == "lora" else None, tok, goldens, mnt, stops)
 
         if params.get("modelfile"):
             mf = work / "Modelfile"
@@ -342,9 +385,17 @@ def export(params: dict[str, Any]) -> dict[str, Any]:
             )
 
         items = []
+        margin = params.get("max_tie_margin")
         if post is not None:
             smoke["ran"] = True
-            for g, a, b in zip(goldens, pre, post):
+            gaps: list[list[float] | None] = [None] * len(post)
+            if margin is not None:
+                emit_progress(3, 4, "scoring the artifact's answers with the float32 reference")
+                model_for_smoke = None
+                reference = load_adapted(base_model, adapter_dir)
+                gaps = [logit_gaps(reference, tok, g["prompt"], b["tokens"], b["end_ids"]) for g, b in zip(goldens, post)]
+                del reference
+            for g, a, b, gp in zip(goldens, pre, post, gaps):
                 items.append({
                     "prompt": g["prompt"],
                     "pre_export": a["output"],
@@ -352,15 +403,26 @@ def export(params: dict[str, Any]) -> dict[str, Any]:
                     "identical": a["output"] == b["output"],
                     "similarity": round(similarity(a["output"], b["output"]), 4),
                     "matches_verdict": a["output"] == g.get("output"),
+                    **({"first_divergence": first_divergence(a["tokens"] + a["end_ids"][:1], b["tokens"] + b["end_ids"][:1])}
+                       if b.get("tokens") is not None else {}),
+                    **({"max_logit_gap": round(max(gp, default=0.0), 4), "off_greedy_tokens": sum(x > 0 for x in gp)} if gp is not None else {}),
                     **({"tokenizer_match": b["tokenizer_match"]} if "tokenizer_match" in b else {}),
                 })
-        smoke["items"] = items
         if params.get("lossless"):
-            smoke["criterion"] = "identical greedy outputs (lossless format)"
-            ok = bool(items) and all(i["identical"] for i in items)
+            smoke["criterion"] = "identical greedy outputs (lossless format: the runtime computes what evaluation computed)"
+            for i in items:
+                i["meets_criterion"] = i["identical"]
+        elif margin is not None:
+            smoke["criterion"] = (f"every token the artifact generated is the float32 reference's greedy choice or within {margin} nats "
+                                  "of it, given the same preceding tokens (16-bit rounding may flip a near-tie, nothing more)")
+            for i in items:
+                i["meets_criterion"] = i["max_logit_gap"] <= float(margin)
         else:
-            smoke["criterion"] = f"similarity >= {params['min_similarity']} for every golden (lossy format)"
-            ok = bool(items) and all(i["similarity"] >= float(params["min_similarity"]) for i in items)
+            smoke["criterion"] = f"similarity >= {params['min_similarity']} for every golden (quantized format)"
+            for i in items:
+                i["meets_criterion"] = i["similarity"] >= float(params["min_similarity"])
+        smoke["items"] = items
+        ok = bool(items) and all(i["meets_criterion"] for i in items)
         if any(g.get("output") is not None and not i["matches_verdict"] for g, i in zip(goldens, items)):
             # What would be exported is not what was judged: the base model or the stack moved since.
             ok = False

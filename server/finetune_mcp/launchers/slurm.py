@@ -57,8 +57,8 @@ NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/scratch/local",
 NODE_LOCAL_ENV = ("TMPDIR", "SLURM_TMPDIR", "LOCAL_SCRATCH", "LOCALSCRATCH", "TMP", "TEMP")
 NODE_LOCAL_FSTYPES = {"tmpfs", "ramfs", "overlay", "devtmpfs"}
 
-_TIME_RE = re.compile(r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$", re.I)
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.,@+-]{1,128}$")
+_TIME_RE = re.compile(r"\A(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)\Z", re.I)
+_NAME_RE = re.compile(r"\A[A-Za-z0-9_.,@+-]{1,128}\Z")
 _KEY_RE = re.compile(r"(?:^|\s)([A-Za-z][\w:/]*)=")
 
 
@@ -251,6 +251,17 @@ def submit_env(spec: RunSpec) -> tuple[dict[str, str], dict[str, str]]:
     return env, {k: v for k, v in sorted(env.items()) if k.startswith("SBATCH_")}
 
 
+def check_names(options: dict[str, Any]) -> None:
+    """The partition, account and time limit go into #SBATCH lines: each must be all name, to its last character."""
+    if options.get("time_limit") and not _TIME_RE.fullmatch(str(options["time_limit"])):
+        raise BadInput(f"time_limit {options['time_limit']!r} is not a Slurm time", where="time_limit",
+                       fix="use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 01:30:00")
+    for key in ("partition", "account"):
+        if options.get(key) and not _NAME_RE.fullmatch(str(options[key])):
+            raise BadInput(f"{key} {options[key]!r} is not a Slurm {key} name", where=key,
+                           fix=f"give the {key} as `sinfo`/`sacctmgr` print it: letters, digits, '_', '.', '-'")
+
+
 class SlurmLauncher(Launcher):
     name = "slurm"
 
@@ -263,13 +274,7 @@ class SlurmLauncher(Launcher):
         if o["gpus_per_node"] is not None and o["gpus_per_node"] < 1:
             raise BadInput(f"gpus_per_node must be at least 1, got {o['gpus_per_node']}", where="gpus_per_node",
                            fix="leave gpus_per_node unset for a CPU run")
-        if o["time_limit"] and not _TIME_RE.match(str(o["time_limit"])):
-            raise BadInput(f"time_limit {o['time_limit']!r} is not a Slurm time", where="time_limit",
-                           fix="use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 01:30:00")
-        for key in ("partition", "account"):
-            if o[key] and not _NAME_RE.match(str(o[key])):
-                raise BadInput(f"{key} {o[key]!r} is not a Slurm {key} name", where=key,
-                               fix=f"give the {key} as `sinfo`/`sacctmgr` print it: letters, digits, '_', '.', '-'")
+        check_names(o)
         if o["nodes"] > 1:
             out_root = Path(spec.mounts.get("output_root") or spec.run_dir.parent.parent)
             why = node_local_reason(out_root, spec.env or None)

@@ -2,7 +2,8 @@
 
 Every figure comes from what the run left in its directory: config.yaml (the values that differ from the
 first run compared), the records (final and best loss), metrics.json (wall time, end-of-run eval loss),
-eval-report.md (the eval engineer's task accuracy), logs/log_history.jsonl (tokens/s). Nothing is
+the eval engineer's signed evaluation (task accuracy, eval loss: for the training role the one its
+signed verdict embeds, since the evaluation files are eval-owned), logs/log_history.jsonl (tokens/s). Nothing is
 written; the plot is drawn in a child process (jobs/plot_loss.py), like poll_progress's.
 """
 
@@ -136,7 +137,7 @@ def compare_runs(pc: PhaseContext, experiment: str, runs: list[str] | None = Non
         metrics = read_json_file(d / "metrics.json") or {}
         finite = [r for r in recs if math.isfinite(r["loss"])]
         best = min(finite, key=lambda r: r["loss"]) if finite else None
-        ev = _eval_result(d)
+        ev = _eval_result(pc, run_id)
         rows.append(S.CompareRow(
             run_id=run_id, status=state.status, differs={k: s.get(k) for k in varied},
             steps=recs[-1]["step"] if recs else 0,
@@ -165,9 +166,22 @@ def compare_runs(pc: PhaseContext, experiment: str, runs: list[str] | None = Non
     return result
 
 
-def _eval_result(run_dir: Path) -> dict | None:
-    if not (run_dir / "eval-report.md").is_file():
-        return None
-    from finetune_mcp.phases.gate import read_eval_result
+def _eval_result(pc: PhaseContext, run_id: str) -> dict | None:
+    """The verified signed evaluation of the run: from eval/ for the eval role, from the signed verdict for the
+    training role (which may not read eval/); None when there is none, or it does not verify."""
+    from finetune_mcp import signing
+    from finetune_mcp.errors import FtError
+    from finetune_mcp.phases.gate import read_eval_result, verify_evaluation
 
-    return read_eval_result(run_dir)
+    try:
+        if pc.policy.may_sign_verdicts:
+            return read_eval_result(pc.ws, run_id)
+        path = pc.ws.verdict_path(*parse_run_ref(run_id))
+        if not path.is_file():
+            return None
+        public = signing.load_public_key(pc.ws)
+        block = signing.verify_report(pc.guard.read_text(path), public, str(path))
+        ev = verify_evaluation(block.get("evaluation"), public, str(path)) if block.get("evaluation") else None
+        return ev if ev and ev.get("run_id") == block.get("run_id") == run_id else None
+    except FtError:
+        return None

@@ -1,8 +1,9 @@
 """Phase 6: export a promoted run — verdict check, format choice from the Format Map, artifact, smoke test, report.
 
-The verdict is read by the server itself at the run's fixed promotion-report.md and verified with the
-eval role's public key; the training role can neither read that file through a tool argument nor write
-it. GGUF goes through llama.cpp's own converter (found as described in converter_path) and quantizer.
+The verdict is read by the server itself at verdicts/<experiment>/<run>/promotion-report.md (eval-owned,
+world-readable; the training role may not write it through any tool argument) and verified with the eval
+role's public key alone, together with the signed evaluation it embeds, the adapter on disk and the base
+model under it. GGUF goes through llama.cpp's own converter (found as described in converter_path) and quantizer.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from finetune_mcp import schemas as S
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.errors import BadInput, Refused
 from finetune_mcp.phases.gate import (
-    PROMOTION_REPORT,
+    MAX_GOLDENS,
+    _base_words,
     _cell,
     _prompt_text,
     adapter_digest,
     append_roadbook,
+    base_model_identity,
     base_model_of,
     load_run_brief,
     run_paths,
+    verify_evaluation,
 )
 from finetune_mcp.workspace import utc_now
 
@@ -42,17 +46,21 @@ _SDIST_RE = re.compile(r"^llama_cpp_python-(\d+(?:\.\d+)*)\.tar\.gz$")
 
 
 def read_verdict(pc: PhaseContext, r: Path, run_id: str, digest: str) -> dict[str, Any]:
-    """The verified verdict payload bound to this run and this adapter, or Refused saying why not."""
+    """The verified verdict payload bound to this run, this adapter and this base model, or Refused saying why not.
+    Public key only: the training user can run this where the private key is out of its reach."""
     from finetune_mcp import signing
+    from finetune_mcp.workspace import parse_run_ref
 
-    path = r / PROMOTION_REPORT
+    experiment, _ = parse_run_ref(run_id)
+    path = pc.ws.verdict_path(experiment, run_id)
     if not path.is_file():
         raise Refused(
             f"run {run_id} has no verdict: export needs a signed PROMOTE from the eval engineer",
             where=str(path),
             fix="hand the run over for Phase 5: the eval engineer runs evaluate_checkpoint and record_verdict",
         )
-    block = signing.verify_report(path.read_text(encoding="utf-8", errors="replace"), signing.load_public_key(pc.ws), str(path))
+    public = signing.load_public_key(pc.ws)
+    block = signing.verify_report(pc.guard.read_text(path), public, str(path))
     if block.get("run_id") != run_id:
         raise Refused(
             f"the verdict in promotion-report.md was signed for run {block.get('run_id')!r}, not {run_id!r}: it was copied from another run",
@@ -67,6 +75,29 @@ def read_verdict(pc: PhaseContext, r: Path, run_id: str, digest: str) -> dict[st
         )
     if signing.sha256_text(block.get("evidence") or "") != block.get("evidence_sha256"):
         raise Refused("the verdict's evidence does not match its digest", where=str(path), fix="ask the eval engineer to record the verdict again")
+    if block.get("verdict") != "PROMOTE":
+        return block
+    # The evaluation the PROMOTE rests on, with its own signature: of this run, this adapter, this base model.
+    where = f"{path}: evaluation"
+    ev = verify_evaluation(block.get("evaluation"), public, where)
+    if ev.get("run_id") != run_id or ev.get("experiment") != experiment:
+        raise Refused(f"the verdict embeds an evaluation of run {ev.get('run_id')!r}, not {run_id!r}", where=where,
+                      fix="ask the eval engineer to evaluate this run and record the verdict again")
+    if ev.get("adapter_sha256") != digest:
+        raise Refused(f"the verdict embeds an evaluation of adapter sha256 {str(ev.get('adapter_sha256'))[:12]}…, not of adapter/ "
+                      f"({digest[:12]}…)", where=where, fix="ask the eval engineer to evaluate the current adapter")
+    goldens = [{"prompt": g.get("prompt"), "output": g.get("output")} for g in (ev.get("goldens") or [])[:MAX_GOLDENS]]
+    if block.get("goldens") != goldens or block.get("base_model") != ev.get("base_model"):
+        raise Refused("the verdict's goldens or base model differ from those of the evaluation it embeds", where=str(path),
+                      fix="ask the eval engineer to record the verdict again")
+    base = base_model_identity(pc, r, load_run_brief(r, pc.ws.experiments_dir / experiment))
+    if base != ev.get("base_model"):
+        raise Refused(
+            f"the base model is not the one the verdict judged: evaluated on {_base_words(ev.get('base_model'))}, the run now loads {_base_words(base)}",
+            where=str(r / "config.yaml"),
+            fix="restore the base model the run was evaluated on (base-models/ or the run's config.yaml), or ask the eval engineer to evaluate "
+                "the run on this one and record the verdict again",
+        )
     return block
 
 
@@ -228,10 +259,10 @@ def export(pc: PhaseContext, run_id: str, format: str | None = None, target_runt
             top_remediation=verdict.get("top_remediation"),
         )
     if verdict["verdict"] != "PROMOTE":
-        raise Refused(f"unknown verdict {verdict['verdict']!r} in a signed report", where=str(r / PROMOTION_REPORT))
+        raise Refused(f"unknown verdict {verdict['verdict']!r} in a signed report", where=str(pc.ws.verdict_path(experiment, run_id)))
     goldens = verdict.get("goldens") or []
     if not 3 <= len(goldens) <= 5:
-        raise Refused(f"the verdict carries {len(goldens)} golden outputs; the smoke test needs 3-5", where=str(r / PROMOTION_REPORT),
+        raise Refused(f"the verdict carries {len(goldens)} golden outputs; the smoke test needs 3-5", where=str(pc.ws.verdict_path(experiment, run_id)),
                       fix="ask the eval engineer to add goldens to eval/goldens.jsonl, evaluate and record the verdict again")
 
     brief = load_run_brief(r, e)
@@ -253,6 +284,7 @@ def export(pc: PhaseContext, run_id: str, format: str | None = None, target_runt
         "merged_dir": str(merged_dir),
         "name": experiment,
         "lossless": fm.lossless,
+        "max_tie_margin": fm.max_tie_margin,
         "min_similarity": fm.min_similarity,
         "llama_ftype": _FTYPES.get(fm.id),
         "converter": converter,
@@ -275,13 +307,17 @@ def export(pc: PhaseContext, run_id: str, format: str | None = None, target_runt
     pc.guard.write_text(report, f"# Export report: {run_id}\n\nLatest: {fm.id} for {rt.id}, {'DONE' if done else 'NOT DONE'} ({utc_now()}).\n\n{body}\n")
     arts = [a["path"] for a in res["artifacts"]]
     if done:
-        summary = f"exported {run_id} as {fm.id} for {rt.id}; smoke test in {smoke['runtime']} passed ({smoke['criterion']}) on {len(smoke['items'])} goldens"
+        items = smoke["items"]
+        summary = f"exported {run_id} as {fm.id} for {rt.id}; smoke test in {smoke['runtime']} passed ({smoke['criterion']}) on {len(items)} goldens"
+        if fm.max_tie_margin is not None:
+            summary += (f": {sum(i['identical'] for i in items)} identical, the largest logit gap {max(i['max_logit_gap'] for i in items):.4f} nats"
+                        f" (limit {fm.max_tie_margin})")
     elif not smoke.get("ran"):
         summary = f"{fm.id} for {rt.id} written but NOT done: the smoke test could not run in {smoke['runtime']} ({smoke.get('reason')}); run export again where it can"
     else:
         items = smoke["items"]
         why_not = []
-        bad = [i for i in items if not (i["identical"] if fm.lossless else i["similarity"] >= (fm.min_similarity or 1))]
+        bad = [i for i in items if not i["meets_criterion"]]
         if bad:
             why_not.append(f"{len(bad)} of {len(items)} goldens miss the criterion ({smoke['criterion']})")
         if any(not i["matches_verdict"] for i in items):
@@ -319,17 +355,28 @@ def _export_report(run_id: str, verdict: dict, rt, fm, why: list[str], res: dict
         out.append(f"| {a['path']} | {a['bytes']} | {a.get('sha256', '(folder: ' + ', '.join(a.get('files', [])) + ')')} |")
     if res.get("commands"):
         out += ["", "### Commands", "", "```", *res["commands"], "```"]
-    out += ["", "### Smoke test", "", f"Runtime: {smoke['runtime']}. Criterion: {smoke.get('criterion')}. "
+    out += ["", "### Smoke test", "", f"Runtime: {smoke['runtime']}. Criterion ({fm.id}): {smoke.get('criterion')}. "
             "Pre-export outputs: base + adapter in transformers (float32, greedy), as at evaluation.", ""]
     if smoke.get("items"):
-        out += ["| # | prompt | pre-export | post-export | identical | similarity |" + (" tokenizer match |" if "tokenizer_match" in smoke["items"][0] else ""),
-                "|---|---|---|---|---|---|" + ("---|" if "tokenizer_match" in smoke["items"][0] else "")]
+        first = smoke["items"][0]
+        gaps = "max_logit_gap" in first
+        out += ["| # | prompt | pre-export | post-export | identical | similarity |" + (" first divergence | max logit gap (nats) | off-greedy tokens |" if gaps else "")
+                + (" tokenizer match |" if "tokenizer_match" in first else "") + " meets criterion |",
+                "|---|---|---|---|---|---|" + ("---|---|---|" if gaps else "") + ("---|" if "tokenizer_match" in first else "") + "---|"]
         for i, it in enumerate(smoke["items"], 1):
             row = f"| {i} | {_cell(_prompt_text(it['prompt']), 40)} | {_cell(repr(it['pre_export']), 40)} | {_cell(repr(it['post_export']), 40)} | " \
                   f"{'yes' if it['identical'] else 'NO'} | {it['similarity']:.3f} |"
+            if gaps:
+                fd = it.get("first_divergence")
+                row += f" {'none' if fd is None else f'token {fd}'} | {it['max_logit_gap']:.4f} | {it['off_greedy_tokens']} |"
             if "tokenizer_match" in it:
                 row += f" {'yes' if it['tokenizer_match'] else 'NO'} |"
+            row += f" {'yes' if it['meets_criterion'] else 'NO'} |"
             out.append(row)
+        if gaps:
+            out += ["", "Max logit gap: over the tokens the artifact generated, the most the float32 reference ranked one below its own "
+                    "greedy choice given the same preceding tokens (0 = the reference's own choice at every step). Rounding to 16 bits "
+                    "flips only near-ties; a wrong artifact picks tokens whole nats lower."]
         diffs = [it for it in smoke["items"] if not it["identical"]]
         if diffs:
             import difflib

@@ -1,6 +1,12 @@
 """Phase 5, the eval engineer's gate: the eval/ suite, evaluate_checkpoint, and the signed PROMOTE/REJECT verdict.
 
-Eval suite (files in <experiment>/eval/, written with write_eval_file; skills/eval-gate says how to read the figures):
+Everything here lives where only the eval role writes (helpers/GATE-LAYOUT.md): the suite in
+$DGX_SPARK_ROOT/eval/<experiment>/ (its own git repository, never part of the experiments repository, which the
+training side reads), the eval report in its reports/<run>.md, the signed evaluation result in its results/<run>.json,
+and the signed verdict in $DGX_SPARK_ROOT/verdicts/<experiment>/<run>/promotion-report.md (world-readable: export
+verifies it, and the evaluation it embeds, with the public key alone). Nothing is written into the run folder.
+
+Eval suite (files in eval/<experiment>/, written with write_eval_file; skills/eval-gate says how to read the figures):
   prompts.jsonl  required  {"prompt": text or [{role, content}...], "expected": text or [accepted answers],
                            "scorer": name or {"name", options} (optional; else the suite default)}   task accuracy
   goldens.jsonl  optional  {"prompt": ..., "output": text (optional)}   golden prompts; the outputs of the
@@ -11,7 +17,9 @@ Eval suite (files in <experiment>/eval/, written with write_eval_file; skills/ev
   eval.yaml      optional  thresholds (override the brief's ## Evaluation), scorer (suite default), max_new_tokens,
                            drift_max_new_tokens, batch_size, loss_data (prepared | prompts), max_loss_rows, goldens,
                            perplexity_text / perplexity_window / perplexity_max_tokens
-Each evaluation also writes eval/reports/<run tag>.md: every prompt's base and fine-tuned answers side by side.
+Each evaluation writes eval/<experiment>/reports/<run tag>.md (the figures, and every prompt's base and fine-tuned
+answers side by side) and eval/<experiment>/results/<run tag>.json (the figures, thresholds, checks, adapter, suite and
+base model digests, goldens: signed with the eval key). record_verdict recomputes every check from that signed result.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
+import os
+import shlex
 import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -29,22 +38,22 @@ import yaml
 from finetune_mcp import schemas as S
 from finetune_mcp import scoring
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.digest import DIGEST_FILE, verify_folder
+from finetune_mcp.digest import DIGEST_FILE, folder_digest, verify_folder
 from finetune_mcp.errors import BadInput, Forbidden, FtError, NotFound, Refused
-from finetune_mcp.workspace import parse_run_ref, utc_now
+from finetune_mcp.workspace import Workspace, atomic_write_text, git, parse_run_ref, utc_now
 
 SKILL = "quantized-export"
 EVAL_SKILL = "eval-gate"
 EVAL_DIR = "eval"
 REPORTS_DIR = "reports"
+RESULTS_DIR = "results"
 _DRIFT_DATA = Path(__file__).resolve().parents[1] / "drift"
 GENERAL_TEXT = _DRIFT_DATA / "general-text.txt"
 GENERAL_PROMPTS = _DRIFT_DATA / "general-prompts.jsonl"
 SUITE_FILES = ("prompts.jsonl", "goldens.jsonl", "drift.jsonl", "eval.yaml")
-EVAL_REPORT = "eval-report.md"
 PROMOTION_REPORT = "promotion-report.md"
-EVAL_MARKER = "<!-- finetune-mcp:eval-result (written by evaluate_checkpoint) -->"
-_EVAL_BLOCK = re.compile(re.escape(EVAL_MARKER) + r"\s*```json\n(.*?)\n```", re.S)
+# Written by evaluate_checkpoint, never by write_eval_file (nor a .git of the suite's repository).
+MACHINE_PARTS = (REPORTS_DIR, RESULTS_DIR, ".git", ".gitignore")
 MAX_EVAL_FILE = 5 * 1024 * 1024
 THRESHOLD_KEYS = {
     "min_accuracy": "task accuracy",
@@ -164,6 +173,77 @@ def append_roadbook(pc: PhaseContext, r: Path, line: str) -> None:
     from finetune_mcp import roadbook
 
     roadbook.append(pc.guard, r, line)
+
+
+def base_model_identity(pc: PhaseContext, r: Path, brief) -> dict[str, Any]:
+    """What the adapter was evaluated on: the name, and for a local folder its path and digest (an HF cache
+    snapshot's folder name is its revision). Signed into the result; export requires the same model under it."""
+    name = base_model_of(pc, r, brief)
+    out: dict[str, Any] = {"name": name}
+    p = Path(name)
+    if p.is_dir():
+        real = p.resolve()
+        out["path"] = str(real)
+        out["sha256"] = folder_digest(real)
+        if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+            out["revision"] = real.name
+    return out
+
+
+# ---------------------------------------------------------------- where the suite lives
+
+
+def refuse_legacy_eval(ws: Workspace, experiment: str) -> None:
+    """A suite still inside the experiment (made before the suite moved out) sits where the training side reads
+    and rewrites it, and in the experiments repository's history: refused, with the move that fixes it."""
+    old = ws.legacy_eval_dir(experiment)
+    if not os.path.lexists(old):
+        return
+    new = ws.eval_dir(experiment)
+    rel = old.relative_to(ws.experiments_repo).as_posix()
+    q = shlex.quote
+    raise Refused(
+        f"experiment {experiment} keeps its eval suite inside the experiment folder ({old}), where the training side can read "
+        f"and replace it; the suite now lives in {new}",
+        where=str(old),
+        fix=f"move it (the eval role's place, its own git repository) and drop it from the experiments repository: "
+            f"`mkdir -p {q(str(new.parent))} && mv {q(str(old))} {q(str(new))}` (if {new} exists, move the files into it one by one), "
+            f"then `git -C {q(str(ws.experiments_repo))} rm -r -q --cached --ignore-unmatch {q(rel)}` and commit; delete the old "
+            f"<run>/eval-report.md files too (they quote the suite). As root, `finetune-mcp setup-roles` makes the move.",
+    )
+
+
+def suite_dir(pc: PhaseContext, experiment: str) -> Path:
+    """eval/<experiment>/ of an existing experiment, once no legacy suite is left inside the experiment."""
+    pc.ws.experiment_dir(experiment)
+    refuse_legacy_eval(pc.ws, experiment)
+    return pc.ws.eval_dir(experiment)
+
+
+def ensure_eval_repo(d: Path) -> Path:
+    """The suite's own git repository: its history holds the expected answers, so it never joins the experiments
+    repository. eval/ is 0711 and each suite 0700 when made here (setup-roles gives them to the eval user)."""
+    root = d.parent
+    if not root.exists():
+        root.mkdir(mode=0o711, parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, exist_ok=True)
+    if not (d / ".git").exists():
+        git(d, "init", "-q", "-b", "main")
+        atomic_write_text(d / ".gitignore", "# the eval suite of one experiment: the eval role's own repository\n.*.tmp\n")
+        git(d, "add", ".gitignore")
+        git(d, "commit", "-q", "-m", f"Initialise the eval suite of {d.name}")
+    return d
+
+
+def commit_eval(d: Path, paths: list[Path], message: str) -> str | None:
+    """Commit into the suite's repository; None where git cannot (the files stand uncommitted, the next commit takes them)."""
+    from finetune_mcp.workspace import commit
+
+    try:
+        ensure_eval_repo(d)
+        return commit(d, paths, message)
+    except (FtError, ValueError, OSError):
+        return None
 
 
 # ---------------------------------------------------------------- suite files
@@ -289,11 +369,11 @@ def resolve_scorers(prompts: Rows, opts: dict[str, Any]) -> list[scoring.ScorerS
     return specs
 
 
-def load_suite(e: Path) -> dict[str, Any]:
-    d = e / EVAL_DIR
+def load_suite(d: Path) -> dict[str, Any]:
+    """The suite in d (eval/<experiment>/): only its suite files are read, never reports/ or results/."""
     if not (d / "prompts.jsonl").is_file():
         raise Refused(
-            f"experiment {e.name} has no eval suite (eval/prompts.jsonl is missing)",
+            f"experiment {d.name} has no eval suite (eval/prompts.jsonl is missing)",
             where=str(d),
             fix="write it with write_eval_file: prompts.jsonl lines {\"prompt\", \"expected\"}; optionally goldens.jsonl, drift.jsonl, eval.yaml",
         )
@@ -329,7 +409,7 @@ def load_suite(e: Path) -> dict[str, Any]:
 
 
 def write_eval_file(pc: PhaseContext, experiment: str, relpath: str, content: str) -> S.WriteEvalFileResult:
-    e = pc.ws.experiment_dir(experiment)
+    eval_dir = suite_dir(pc, experiment)
     if not isinstance(relpath, str) or not relpath.strip():
         raise BadInput("relpath is empty", where="relpath", fix="name a file inside eval/, e.g. prompts.jsonl")
     rel = PurePosixPath(relpath.replace("\\", "/"))
@@ -337,11 +417,13 @@ def write_eval_file(pc: PhaseContext, experiment: str, relpath: str, content: st
         raise BadInput(f"relpath {relpath!r} must be a plain relative path inside eval/", where="relpath", fix="e.g. prompts.jsonl or cases/extra.jsonl")
     if rel.parts[0] == EVAL_DIR:
         rel = PurePosixPath(*rel.parts[1:]) if len(rel.parts) > 1 else rel
+    if rel.parts[0] in MACHINE_PARTS:
+        raise BadInput(f"relpath {relpath!r} is not a suite file: {rel.parts[0]} is written by evaluate_checkpoint (and git) only",
+                       where="relpath", fix="write suite files: prompts.jsonl, goldens.jsonl, drift.jsonl, eval.yaml, or a text eval.yaml names")
     if len(content.encode("utf-8")) > MAX_EVAL_FILE:
         raise BadInput(f"content is larger than {MAX_EVAL_FILE // (1024 * 1024)} MiB", where="content")
-    eval_dir = e / EVAL_DIR
     target = pc.guard.check_write(eval_dir / rel, "relpath")
-    real_eval = eval_dir.resolve() if eval_dir.exists() else e.resolve() / EVAL_DIR
+    real_eval = Path(os.path.realpath(eval_dir))
     if not target.is_relative_to(real_eval):
         raise Forbidden(f"relpath {relpath!r} resolves outside the experiment's eval/", where=str(target))
     rows = validate_suite_file(rel.name, content) if len(rel.parts) == 1 else None
@@ -352,14 +434,9 @@ def write_eval_file(pc: PhaseContext, experiment: str, relpath: str, content: st
         if other.is_file():
             texts = {rel.name: content, other.name: other.read_text(encoding="utf-8")}
             resolve_scorers(validate_suite_file("prompts.jsonl", texts["prompts.jsonl"]), validate_suite_file("eval.yaml", texts["eval.yaml"]))
+    ensure_eval_repo(eval_dir)
     pc.guard.write_text(target, content)
-    committed = None
-    try:
-        from finetune_mcp.workspace import commit
-
-        committed = commit(pc.ws.experiments_repo, [target], f"eval: {experiment}/{EVAL_DIR}/{rel}")
-    except (FtError, ValueError):
-        pass  # the suite works uncommitted; the next write commits it
+    committed = commit_eval(eval_dir, [target], f"eval: {experiment}/{rel}")
     what = f"{len(rows)} rows" if isinstance(rows, list) else ("validated" if rows is not None else "written")
     return S.WriteEvalFileResult(
         summary=f"wrote {experiment}/{EVAL_DIR}/{rel} ({what}{', committed ' + committed[:10] if committed else ''})",
@@ -387,17 +464,74 @@ def _thresholds(brief, suite: dict[str, Any]) -> tuple[dict[str, float], dict[st
     return values, source
 
 
-def read_eval_result(r: Path) -> dict[str, Any] | None:
-    p = r / EVAL_REPORT
+EVAL_FIX = "ask the eval engineer to run evaluate_checkpoint again: only it writes (and signs) an evaluation result"
+
+
+def verify_evaluation(doc: Any, public_key, where: str) -> dict[str, Any]:
+    """The payload of a signed evaluation result, or BadSignature (a result edited, forged, or signed elsewhere)."""
+    from finetune_mcp import signing
+
+    return signing.verify_signed(doc, public_key, signing.EVAL_SCHEMA, where, f"the evaluation result {Path(where).name}", EVAL_FIX)
+
+
+def load_eval_document(ws: Workspace, run_id: str, public_key=None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(the signed document as stored, its verified payload) of run_id's evaluation, None when there is none.
+    Eval role only: the file is eval-owned."""
+    from finetune_mcp import signing
+
+    experiment, _ = parse_run_ref(run_id)
+    p = ws.eval_result_path(experiment, run_id)
     if not p.is_file():
         return None
-    m = _EVAL_BLOCK.search(p.read_text(encoding="utf-8"))
-    if not m:
-        return None
     try:
-        return json.loads(m.group(1))
-    except json.JSONDecodeError:
-        return None
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise signing.BadSignature(f"the evaluation result {p.name} is not valid JSON ({e})", where=str(p), fix=EVAL_FIX) from None
+    return doc, verify_evaluation(doc, public_key or signing.load_public_key(ws), str(p))
+
+
+def read_eval_result(ws: Workspace, run_id: str, public_key=None) -> dict[str, Any] | None:
+    """The verified payload of run_id's signed evaluation, None when there is none."""
+    got = load_eval_document(ws, run_id, public_key)
+    return got[1] if got else None
+
+
+def measured(m: dict[str, Any]) -> dict[str, Any]:
+    """The figure each threshold bounds."""
+    d = m.get("drift") if isinstance(m.get("drift"), dict) else {}
+    return {"min_accuracy": m.get("task_accuracy"), "max_eval_loss": m.get("eval_loss"), "max_kl": d.get("kl"),
+            "max_perplexity_ratio": d.get("perplexity_ratio"), "max_drift": d.get("changed_share")}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def judge(m: dict[str, Any]) -> dict[str, bool]:
+    """Every check's pass/fail, from the figures and thresholds alone (a stored pass/fail is never taken as it stands)."""
+    figures = measured(m)
+    passed: dict[str, bool] = {}
+    for k, limit in (m.get("thresholds") or {}).items():
+        if k not in THRESHOLD_KEYS:
+            raise Refused(f"the evaluation carries an unknown threshold {k!r}", fix=EVAL_FIX)
+        v = figures[k]
+        passed[k] = _number(v) and _number(limit) and (v >= limit if k.startswith("min_") else v <= limit)
+    checked = [g for g in m.get("goldens") or [] if isinstance(g, dict) and g.get("golden") is not None]
+    if checked:
+        passed["goldens"] = all(scoring.collapse(str(g.get("output"))) == scoring.collapse(str(g["golden"])) for g in checked)
+    return passed
+
+
+def check_text(k: str, m: dict[str, Any]) -> str:
+    """One failed check in words: figure, bar and its source."""
+    if k == "goldens":
+        bad = sum(1 for g in m.get("goldens") or [] if g.get("golden") is not None
+                  and scoring.collapse(str(g.get("output"))) != scoring.collapse(str(g["golden"])))
+        return f"goldens ({bad} golden output(s) not reproduced)"
+    v, limit = measured(m).get(k), (m.get("thresholds") or {}).get(k)
+    op = "<" if k.startswith("min_") else ">"
+    bar = format(limit, "g") if _number(limit) else repr(limit)
+    return f"{k} ({THRESHOLD_KEYS[k]} {_fmt(v)} {op} {bar} from {(m.get('threshold_sources') or {}).get(k, '?')})"
 
 
 def _fmt(v: Any) -> str:
@@ -415,18 +549,26 @@ def _prompt_text(p: Any) -> str:
 
 
 def _cell(s: Any, n: int = 80) -> str:
+    """One markdown table cell: newlines and pipes kept from breaking the row, control characters shown escaped."""
     s = str(s).replace("\n", "⏎").replace("|", "\\|")
+    s = "".join(c if unicodedata.category(c) != "Cc" else f"\\x{ord(c):02x}" for c in s)
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
 def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
     from finetune_mcp.worker import prewarm, run_job
 
+    from finetune_mcp import signing
+
+    if not pc.policy.may_sign_verdicts:
+        raise Forbidden(f"the {pc.role} role may not evaluate", fix="evaluations come from the eval-engineer server")
     experiment, r, e = run_paths(pc, run_id)
+    d = suite_dir(pc, experiment)
     digest = adapter_digest(r, run_id)
     prewarm()
-    suite = load_suite(e)
+    suite = load_suite(d)
     brief = load_run_brief(r, e)
+    base = base_model_identity(pc, r, brief)
     thresholds, th_source = _thresholds(brief, suite)
     opts = suite.get("eval.yaml") or {}
     n_gold = int(opts.get("goldens") or MAX_GOLDENS)
@@ -444,7 +586,7 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         loss_rows = [{"prompt": p["prompt"], "expected": p["expected"]} for p in suite["prompts.jsonl"]]
 
     params = {
-        "base_model": base_model_of(pc, r, brief),
+        "base_model": base["name"],
         "adapter_dir": str(r / "adapter"),
         "prompts": [{"prompt": row["prompt"], "expected": scoring.accepted(row["expected"]), "scorer": spec.to_json()}
                     for row, spec in zip(suite["prompts.jsonl"], suite["scorers"])],
@@ -479,25 +621,19 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         "prompts_source": suite["drift_source"],
         "text_source": suite["general_text_source"],
     }
-    measured = {"min_accuracy": res.get("task_accuracy"), "max_eval_loss": res.get("eval_loss"), "max_kl": drift["kl"],
-                "max_perplexity_ratio": drift["perplexity_ratio"], "max_drift": drift["changed_share"]}
-    passed: dict[str, bool] = {}
-    for k, limit in thresholds.items():
-        v = measured[k]
-        passed[k] = v is not None and (v >= limit if k.startswith("min_") else v <= limit)
-    golden_checked = [g for g in res["goldens"] if "match" in g]
-    if golden_checked:
-        passed["goldens"] = all(g["match"] for g in golden_checked)
     unset = [k for k in DRIFT_THRESHOLDS if k not in thresholds and k not in th_source]
 
     evaluated_at = utc_now()
     scorers: dict[str, int] = {}
     for it in res["items"]:
         scorers[it["scorer_label"]] = scorers.get(it["scorer_label"], 0) + 1
-    side_path = e / EVAL_DIR / REPORTS_DIR / f"{run_id.split('/', 1)[1]}.md"
+    report_path = pc.ws.eval_report_path(experiment, run_id)
+    result_path = pc.ws.eval_result_path(experiment, run_id)
     machine = {
         "run_id": run_id,
+        "experiment": experiment,
         "adapter_sha256": digest,
+        "base_model": base,
         "suite_sha256": suite["sha256"],
         "suite_files": suite["files"],
         "evaluated_at": evaluated_at,
@@ -512,29 +648,27 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         "thresholds": thresholds,
         "threshold_sources": th_source,
         "drift_thresholds_unset": unset,
-        "passed": passed,
         "max_new_tokens": res.get("max_new_tokens"),
         "drift_max_new_tokens": res.get("drift_max_new_tokens"),
         "batch_size": res.get("batch_size"),
-        "goldens": [{"prompt": g["prompt"], "output": g["output"]} for g in res["goldens"]],
+        # what export replays (prompt, output) and, where the suite gave one, the output it had to reproduce
+        "goldens": [{"prompt": g["prompt"], "output": g["output"], **({"golden": g["golden"]} if "golden" in g else {})} for g in res["goldens"]],
         "loss_source": loss_source,
         "loss_rows": res.get("loss_rows"),
-        "side_by_side_report": str(side_path),
+        "report": str(report_path),
         "versions": res.get("versions"),
         # the fine-tuned passes ran on base + adapter merged (the same model, one matmul per layer), or why not
         "adapter_merged": res.get("adapter_merged"),
         **({"unmerged_because": res["unmerged_because"]} if res.get("unmerged_because") else {}),
         "timings_s": res.get("timings"),
     }
-    report_path = r / EVAL_REPORT
-    pc.guard.write_text(report_path, _eval_report(run_id, machine, res))
-    pc.guard.write_text(side_path, _side_by_side_report(run_id, machine, res))
-    try:
-        from finetune_mcp.workspace import commit
-
-        commit(pc.ws.experiments_repo, [side_path], f"eval: {experiment}/{EVAL_DIR}/{REPORTS_DIR}/{side_path.name}")
-    except (FtError, ValueError):
-        pass  # the report stands uncommitted; the next commit in eval/ takes it
+    machine["passed"] = passed = judge(machine)
+    # Signed as it is written: record_verdict and export trust these figures only with the eval key's signature.
+    signed = signing.sign_block(signing.load_or_create_private_key(pc.ws), {**machine, "signed_at": utc_now()}, signing.EVAL_SCHEMA)
+    ensure_eval_repo(d)
+    pc.guard.write_text(report_path, _eval_report(run_id, machine, res) + "\n" + _side_by_side_report(run_id, machine, res))
+    pc.guard.write_text(result_path, json.dumps(signed, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    commit_eval(d, [report_path, result_path], f"eval: {experiment} {run_id.split('/', 1)[1]}")
 
     failed = [k for k, ok in passed.items() if not ok]
     n = len(res["items"])
@@ -548,10 +682,10 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         + (f"; no threshold set for {', '.join(unset)} (a PROMOTE needs one)" if unset else "")
     )
     details: list[dict[str, Any]] = []
-    for d in res.get("drift_items") or []:
-        if d["changed"] and len(details) < 10:
-            details.append({"kind": "drift", "prompt": d["prompt"], "base_output": d["base_output"], "kl": d["kl"],
-                            "first_divergence": d["first_divergence"]})
+    for di in res.get("drift_items") or []:
+        if di["changed"] and len(details) < 10:
+            details.append({"kind": "drift", "prompt": di["prompt"], "base_output": di["base_output"], "kl": di["kl"],
+                            "first_divergence": di["first_divergence"]})
     for g in res["goldens"]:
         details.append({"kind": "golden", "prompt": g["prompt"], "output": g["output"], **({"golden": g["golden"], "match": g["match"]} if "match" in g else {})})
     items = [S.EvalItem(prompt=it["prompt"], expected=it["expected"], scorer=it["scorer_label"], base_output=it["base_output"],
@@ -573,7 +707,8 @@ def evaluate_checkpoint(pc: PhaseContext, run_id: str) -> S.EvalResult:
         passed=passed,
         details=details,
         report=str(report_path),
-        side_by_side_report=str(side_path),
+        side_by_side_report=str(report_path),
+        result=str(result_path),
     )
 
 
@@ -611,12 +746,15 @@ def _metric_table(m: dict[str, Any]) -> list[str]:
 def _eval_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) -> str:
     d = m["drift"]
     sbs = m.get("side_by_side") or {}
-    out = [f"# Evaluation: {run_id}", "", f"Evaluated {m['evaluated_at']} against adapter sha256 `{m['adapter_sha256']}` "
-           f"with suite {', '.join('eval/' + f for f in m['suite_files'])} (sha256 `{m['suite_sha256'][:16]}…`).", "",
+    base = m.get("base_model") or {}
+    out = [f"# Evaluation: {run_id}", "", f"Evaluated {m['evaluated_at']} against adapter sha256 `{m['adapter_sha256']}` on base model "
+           f"{base.get('name')}" + (f" (sha256 `{base['sha256'][:16]}…`)" if base.get("sha256") else "")
+           + f" with suite {', '.join('eval/' + f for f in m['suite_files'])} (sha256 `{m['suite_sha256'][:16]}…`). "
+           f"Eval-only: this report quotes the suite; the signed result is `{m['experiment']}/{RESULTS_DIR}/{Path(m['report']).stem}.json`.", "",
            *_metric_table(m), "",
            f"Scorers: {', '.join(f'{k} ({v} prompts)' for k, v in m['scorers'].items())}. "
            f"Side by side: {sbs.get('improved', 0)} improved, {sbs.get('regressed', 0)} regressed, {sbs.get('unchanged', 0)} unchanged "
-           f"(every answer: `{m['side_by_side_report']}`).", "",
+           f"(every answer: below).", "",
            f"Eval loss: {m['loss_source']}, {m['loss_rows']} rows. KL: {d['prompts']} prompts from {d['prompts_source']}, "
            f"{d['kl_tokens']} continuation tokens of up to {m['drift_max_new_tokens']}. Perplexity: {d['text_source']}, "
            f"{d['perplexity_tokens']} tokens (base {_fmt(d['perplexity_base'])}, tuned {_fmt(d['perplexity_tuned'])}).", ""]
@@ -631,7 +769,7 @@ def _eval_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) -> str:
     for i, g in enumerate(res["goldens"], 1):
         out.append(f"| {i} | {_cell(_prompt_text(g['prompt']), 50)} | {_cell(g['output'], 50)} | {_cell(g.get('golden', ''), 50)} | "
                    f"{'' if 'match' not in g else ('yes' if g['match'] else 'NO')} |")
-    out += ["", EVAL_MARKER, "```json", json.dumps(m, indent=2, ensure_ascii=False, sort_keys=True), "```", ""]
+    out.append("")
     return "\n".join(out)
 
 
@@ -644,9 +782,9 @@ def _quote_block(text: str) -> list[str]:
 
 def _side_by_side_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) -> str:
     sbs = m.get("side_by_side") or {}
-    out = [f"# Side by side: {run_id}", "",
+    out = [f"## Side by side: {run_id}", "",
            f"Base model vs fine-tuned (base + adapter `{m['adapter_sha256'][:12]}…`), greedy, up to {m['max_new_tokens']} new tokens; "
-           f"evaluated {m['evaluated_at']}. Written by evaluate_checkpoint; the figures and thresholds are in the run's {EVAL_REPORT}.", "",
+           f"evaluated {m['evaluated_at']}.", "",
            "| | prompts |", "|---|---|",
            f"| improved (base wrong, fine-tuned right) | {sbs.get('improved', 0)} |",
            f"| regressed (base right, fine-tuned wrong) | {sbs.get('regressed', 0)} |",
@@ -658,7 +796,7 @@ def _side_by_side_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) ->
         exp = it["expected"]
         shown = exp[0] if len(exp) == 1 else " | ".join(exp)
         score = "" if it["scorer"]["name"] != "rouge_l" else f" (ROUGE-L {it['base_score']:.2f} → {it['score']:.2f})"
-        out += [f"## {i}. {it['change']}: {_cell(_prompt_text(it['prompt']), 70)}", "",
+        out += [f"### {i}. {it['change']}: {_cell(_prompt_text(it['prompt']), 70)}", "",
                 f"Scorer `{it['scorer_label']}`; accepted: `{_cell(shown, 200)}`{score}", "",
                 f"**Base** ({'right' if it['base_correct'] else 'wrong'}):", "", *_quote_block(it["base_output"]), "",
                 f"**Fine-tuned** ({'right' if it['correct'] else 'wrong'}):", "", *_quote_block(it["output"]), ""]
@@ -668,7 +806,8 @@ def _side_by_side_report(run_id: str, m: dict[str, Any], res: dict[str, Any]) ->
 # ---------------------------------------------------------------- record_verdict
 
 
-def record_verdict(pc: PhaseContext, run_id: str, verdict: str, evidence: str, top_remediation: str = "") -> S.VerdictResult:
+def record_verdict(pc: PhaseContext, run_id: str, verdict: str, evidence: str, top_remediation: str = "",
+                   override_reason: str = "") -> S.VerdictResult:
     from finetune_mcp import signing
 
     if not pc.policy.may_sign_verdicts:
@@ -677,70 +816,110 @@ def record_verdict(pc: PhaseContext, run_id: str, verdict: str, evidence: str, t
         raise BadInput(f"verdict must be PROMOTE or REJECT, got {verdict!r}", where="verdict")
     evidence = (evidence or "").strip()
     top_remediation = (top_remediation or "").strip()
+    override_reason = (override_reason or "").strip()
     if not evidence:
         raise BadInput("evidence is empty", where="evidence", fix="state the figures the verdict rests on (accuracy, loss, drift, failures seen)")
     if verdict == "REJECT" and not top_remediation:
         raise BadInput("a REJECT needs a top remediation", where="top_remediation", fix="name the one change to try first, e.g. 'double the examples of the failing pattern'")
+    if verdict == "REJECT" and override_reason:
+        raise BadInput("override_reason is for a PROMOTE against failed checks; a REJECT overrides nothing", where="override_reason",
+                       fix="leave override_reason empty for a REJECT")
     experiment, r, e = run_paths(pc, run_id)
     digest = adapter_digest(r, run_id)
-    ev = read_eval_result(r)
-    if ev is not None and (ev.get("run_id") != run_id or ev.get("adapter_sha256") != digest):
-        ev = None  # an evaluation of some other adapter says nothing about this one
+    d = suite_dir(pc, experiment)
+    result_path = pc.ws.eval_result_path(experiment, run_id)
+    key = signing.load_or_create_private_key(pc.ws)
+    # A result that does not verify is refused whatever the verdict: nothing signed may rest on a forged figure.
+    got = load_eval_document(pc.ws, run_id, key.public_key())
+    evaluation, ev = got if got else (None, None)
+    if ev is not None and ev.get("run_id") != run_id:
+        raise Refused(f"the evaluation result at {result_path.name} was signed for run {ev.get('run_id')!r}, not {run_id!r}: it was copied "
+                      "from another run", where=str(result_path), fix=f"call evaluate_checkpoint on {run_id}")
+    if ev is not None and ev.get("adapter_sha256") != digest:
+        evaluation = ev = None  # an evaluation of some other adapter says nothing about this one
+    override = None
     goldens: list[dict[str, Any]] = []
     if verdict == "PROMOTE":
         if ev is None:
-            raise Refused(f"no evaluation of run {run_id}'s current adapter", where=str(r / EVAL_REPORT),
+            raise Refused(f"no signed evaluation of run {run_id}'s current adapter", where=str(result_path),
                           fix="call evaluate_checkpoint first; PROMOTE rests on its figures and goldens")
-        suite = load_suite(e)
+        suite = load_suite(d)
         if suite["sha256"] != ev.get("suite_sha256"):
-            raise Refused("the eval suite changed after the last evaluation", where=str(e / EVAL_DIR), fix="call evaluate_checkpoint again, then record the verdict")
-        failed = [k for k, ok in (ev.get("passed") or {}).items() if not ok]
-        if failed:
+            raise Refused("the eval suite changed after the last evaluation", where=str(d), fix="call evaluate_checkpoint again, then record the verdict")
+        base = base_model_identity(pc, r, load_run_brief(r, e))
+        if base != ev.get("base_model"):
+            raise Refused(f"the base model under the adapter is not the one evaluated ({_base_words(ev.get('base_model'))}; now {_base_words(base)})",
+                          where=str(result_path), fix="call evaluate_checkpoint again on the base model the run names, then record the verdict")
+        passed = judge(ev)
+        failed = [k for k, ok in passed.items() if not ok]
+        if failed and not override_reason:
             raise Refused(
-                f"the evaluation fails {', '.join(failed)}, so it cannot be promoted",
-                where=str(r / EVAL_REPORT),
-                fix="record REJECT with the top remediation; or, if a threshold is wrong, change it in eval/eval.yaml and evaluate again",
+                f"the evaluation fails {', '.join(check_text(k, ev) for k in failed)}, so it cannot be promoted "
+                f"(recomputed from the signed figures of {result_path.name})",
+                where=str(result_path),
+                fix="record REJECT with the top remediation; or, if a threshold is wrong, change it in eval/eval.yaml and evaluate again; "
+                    "or PROMOTE anyway with override_reason saying why (the signed verdict records the override)",
             )
+        if override_reason and not failed:
+            raise BadInput("override_reason given, but the evaluation fails no check: there is nothing to override", where="override_reason",
+                           fix="leave override_reason empty")
+        if failed:
+            override = {"reason": override_reason, "failed_checks": failed, "checks": [check_text(k, ev) for k in failed]}
         unset = [k for k in DRIFT_THRESHOLDS if k not in (ev.get("thresholds") or {}) and k not in (ev.get("threshold_sources") or {})]
         if unset:
             raise Refused(
                 f"the evaluation had no threshold for {', '.join(unset)}: a PROMOTE needs a bar for harm to general ability",
-                where=str(e / EVAL_DIR / "eval.yaml"),
+                where=str(d / "eval.yaml"),
                 fix=f"set thresholds {', '.join(unset)} in eval/eval.yaml (or in the brief's ## Evaluation), or waive one on purpose with "
                     f"null, then evaluate again; {EVAL_SKILL}#drift says how to choose them",
             )
-        goldens = (ev.get("goldens") or [])[:MAX_GOLDENS]
+        goldens = [{"prompt": g["prompt"], "output": g["output"]} for g in (ev.get("goldens") or [])[:MAX_GOLDENS]]
         if len(goldens) < MIN_GOLDENS:
             raise Refused(f"the evaluation recorded {len(goldens)} golden outputs; export's smoke test needs {MIN_GOLDENS}-{MAX_GOLDENS}",
-                          where=str(e / EVAL_DIR / "goldens.jsonl"), fix="write 3-5 prompts to eval/goldens.jsonl and evaluate again")
+                          where=str(d / "goldens.jsonl"), fix="write 3-5 prompts to eval/goldens.jsonl and evaluate again")
 
-    key = signing.load_or_create_private_key(pc.ws)
     signed_at = utc_now()
     payload = {
         "run_id": run_id,
+        "experiment": experiment,
         "verdict": verdict,
         "adapter_sha256": digest,
+        "base_model": ev.get("base_model") if ev else None,
         "evidence_sha256": signing.sha256_text(evidence),
         "evidence": evidence,
         "top_remediation": top_remediation,
-        "eval_report_sha256": hashlib.sha256((r / EVAL_REPORT).read_bytes()).hexdigest() if ev is not None else None,
+        "override": override,
         "metrics": {k: ev.get(k) for k in ("task_accuracy", "base_accuracy", "scorers", "side_by_side", "eval_loss", "drift", "thresholds",
-                                           "threshold_sources", "passed", "evaluated_at", "max_new_tokens")} if ev else None,
+                                           "threshold_sources", "evaluated_at", "max_new_tokens")} | {"passed": judge(ev)} if ev else None,
         "goldens": goldens,
+        # The signed evaluation itself (its own signature kept): export verifies both with the public key alone.
+        "evaluation": evaluation,
         "signed_at": signed_at,
     }
     block = signing.sign_block(key, payload)
-    report = r / PROMOTION_REPORT
-    pc.guard.write_text(report, _promotion_report(block))
+    report = pc.ws.verdict_path(experiment, run_id)
+    for folder in (pc.ws.verdicts_root, report.parent.parent, report.parent):
+        if not folder.exists():
+            pc.guard.check_write(folder)
+            folder.mkdir(mode=0o755, exist_ok=True)
+    pc.guard.write_text(report, _promotion_report(block), mode=0o644)
     return S.VerdictResult(
-        summary=f"{verdict} recorded for {run_id}, signed ({block['key_id']}) over adapter {digest[:12]}…",
+        summary=f"{verdict} recorded for {run_id}, signed ({block['key_id']}) over adapter {digest[:12]}…"
+                + (f"; OVERRIDE of failed check(s) {', '.join(override['failed_checks'])}: {override_reason}" if override else ""),
         citations=[pc.skills.cite("quantized-export", "verdict-gate"), pc.skills.cite(EVAL_SKILL, "drift")],
         run_id=run_id,
         verdict=verdict,
         adapter_sha256=digest,
         report=str(report),
         signed_at=signed_at,
+        override=override,
     )
+
+
+def _base_words(b: Any) -> str:
+    if not isinstance(b, dict):
+        return "none recorded"
+    return f"{b.get('name')}" + (f" sha256 {str(b['sha256'])[:12]}…" if b.get("sha256") else "")
 
 
 def _quote(text: str) -> list[str]:
@@ -751,8 +930,13 @@ def _promotion_report(b: dict[str, Any]) -> str:
     from finetune_mcp import signing
 
     out = [f"# Promotion report: {b['run_id']}", "", f"**Verdict: {b['verdict']}**", "",
-           f"- adapter sha256: `{b['adapter_sha256']}`", f"- signed at: {b['signed_at']} by the eval-engineer key `{b['key_id']}`",
+           f"- adapter sha256: `{b['adapter_sha256']}`", f"- base model: {_base_words(b.get('base_model'))}",
+           f"- signed at: {b['signed_at']} by the eval-engineer key `{b['key_id']}`",
            "", "## Evidence", "", *_quote(b["evidence"]), ""]
+    if b.get("override"):
+        o = b["override"]
+        out += ["## OVERRIDE", "", f"Promoted although the evaluation fails {', '.join(o['checks'])}. The eval engineer's reason:", "",
+                *_quote(o["reason"]), ""]
     if b["top_remediation"]:
         out += ["## Top remediation", "", *_quote(b["top_remediation"]), ""]
     if b.get("metrics"):
@@ -780,6 +964,7 @@ def _promotion_report(b: dict[str, Any]) -> str:
         for i, g in enumerate(b["goldens"], 1):
             out.append(f"| {i} | {_cell(_prompt_text(g['prompt']), 60)} | {_cell(g['output'], 60)} |")
         out.append("")
-    out += ["## Signature", "", "The block below binds run id, adapter digest, verdict, evidence digest and time; export verifies it with",
-            "the eval role's public key. Any edit to it, or a copy into another run, makes it invalid.", "", signing.render_block(b)]
+    out += ["## Signature", "", "The block below binds run id, adapter and base model digests, verdict, evidence digest, time, and the signed",
+            "evaluation it rests on (with that evaluation's own signature); export verifies both with the eval role's public key.",
+            "Any edit to it, or a copy into another run, makes it invalid.", "", signing.render_block(b)]
     return "\n".join(out)

@@ -62,6 +62,10 @@ def launch_run(pc: PhaseContext, experiment: str, tag: str, accept_warnings: boo
     if launcher == "local" and nproc != 1:
         raise BadInput("launcher='local' runs one process", where="nproc", fix="use launcher='torchrun' for nproc > 1")
     lau = get_launcher(launcher)
+    if launcher == "slurm":  # before the preflight gate: these names go into the job script
+        from finetune_mcp.launchers.slurm import check_names
+
+        check_names(slurm_only)
 
     # (a)-(c): no preflight, a blocked one, or warnings the caller has not accepted.
     report, report_path = _env_report(pc, exp_dir, experiment)

@@ -222,6 +222,19 @@ def _adapter_files(checkpoint):
     )
 
 
+def usual_modes(folder):
+    """safetensors writes its files 0600: give the adapter the modes of the umask, so that an eval role running as
+    another OS user (finetune-mcp setup-roles) can evaluate it."""
+    mask = 0o022
+    try:
+        mask = int(next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        pass
+    for p in [Path(folder), *Path(folder).rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def copy_adapter(checkpoint, adapter_dir):
     """Copy the adapter files of a checkpoint to adapter_dir, verify the copy, write DIGEST."""
     checkpoint, adapter_dir = Path(checkpoint), Path(adapter_dir)
@@ -241,6 +254,7 @@ def copy_adapter(checkpoint, adapter_dir):
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"the copy of {checkpoint} does not match its source (digest {digest})")
     (tmp / DIGEST_FILE).write_text(digest + "\n")
+    usual_modes(tmp)
     if adapter_dir.exists():
         shutil.rmtree(adapter_dir)
     os.replace(tmp, adapter_dir)
