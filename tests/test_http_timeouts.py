@@ -11,22 +11,16 @@ import anyio
 import httpx
 import pytest
 
-from conftest import server_command
+from conftest import free_port, server_command
 
 TOKEN = "tok-train-0123456789abcdef"
 HEAD_S, BODY_S = 2.0, 3.0
 SLACK_S = 2.0  # the server's loop and a loaded box; the trickle alone would keep it open for ever
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(ws_root, tmp_path):
-    port = _free_port()
+    port = free_port()
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(f"training-engineer: [{TOKEN}]\n")
     proc = subprocess.Popen(server_command() + ["serve", "--transport", "http", "--port", str(port), "--tokens-file", str(tokens),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import anyio
 import httpx
 import pytest
 
-from conftest import REPO, mcp_session, server_command
+from conftest import REPO, free_port, mcp_session, server_command
 
 TRAINING_TOOLS = {"prepare_dataset", "preflight", "generate_config", "launch_run", "poll_progress", "compare_runs", "stop_run",
                   "prune_checkpoints", "triage_failure", "export"}
@@ -100,15 +99,9 @@ def test_server_never_imports_heavy_stack(ws_root, tmp_path):
     assert loaded == [], f"the server imported {loaded}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def http_server(ws_root, tmp_path):
-    port = _free_port()
+    port = free_port()
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("training-engineer: [tok-train-0123456789abcdef]\neval-engineer: [tok-eval-0123456789abcdef]\n")
     errlog = tmp_path / "server.err"

@@ -231,14 +231,17 @@ class LegacySuite:
     target: Path
 
 
+def _experiment_folders(parent: Path) -> list[Path]:
+    """The real (not symlinked) folders under parent named like an experiment, sorted."""
+    if not parent.is_dir():
+        return []
+    return [e for e in sorted(parent.iterdir()) if EXPERIMENT_RE.fullmatch(e.name) and e.is_dir() and not e.is_symlink()]
+
+
 def legacy_suites(ws: Workspace) -> list[LegacySuite]:
     """<experiment>/eval/ folders from before issue 30; refuses (before anything changes) where one cannot move."""
     found = []
-    if not ws.experiments_dir.is_dir():
-        return found
-    for e in sorted(ws.experiments_dir.iterdir()):
-        if not EXPERIMENT_RE.fullmatch(e.name) or not e.is_dir() or e.is_symlink():
-            continue
+    for e in _experiment_folders(ws.experiments_dir):
         src = ws.legacy_eval_dir(e.name)
         if src.is_symlink():
             raise Refused(f"{src} is a symbolic link, not a suite: setup-roles moves only a real folder", where=str(src),
@@ -360,11 +363,7 @@ def _untrack_suite(ws: Workspace, s: LegacySuite, tr: Account, ch: Changes) -> N
 def _legacy_run_reports(ws: Workspace) -> list[tuple[Path, Path]]:
     """<run>/eval-report.md (every held-out prompt and answer) from before issue 30, and where each goes."""
     out = []
-    if not ws.output_root.is_dir():
-        return out
-    for exp in sorted(ws.output_root.iterdir()):
-        if not EXPERIMENT_RE.fullmatch(exp.name) or not exp.is_dir() or exp.is_symlink():
-            continue
+    for exp in _experiment_folders(ws.output_root):
         for run in sorted(exp.iterdir()):
             old = run / LEGACY_RUN_REPORT
             if not RUN_ID_RE.fullmatch(run.name) or run.is_symlink() or old.is_symlink() or not old.is_file():

@@ -646,6 +646,17 @@ def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: li
 # --- all of it ---------------------------------------------------------------------------------
 
 
+def _merge_hits(by_id: dict[str, Hit], hits) -> None:
+    """Add hits to by_id; a rule already hit keeps one Hit with the lines of both."""
+    for h in hits:
+        have = by_id.get(h.id)
+        if have is None:
+            by_id[h.id] = h
+        else:
+            have.lines = sorted(set(have.lines) | set(h.lines))
+            have.detail = have.detail or h.detail
+
+
 def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     """Everything a log shows: word signals, numeric signals over its parsed metrics, exit status, markers."""
     if not isinstance(text, str):
@@ -658,13 +669,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
     metrics = parse_text(text, comp.keys)
-    for h in number_hits(metrics, comp):
-        have = by_id.get(h.id)
-        if have is None:
-            by_id[h.id] = h
-        else:
-            have.lines = sorted(set(have.lines) | set(h.lines))
-            have.detail = have.detail or h.detail
+    _merge_hits(by_id, number_hits(metrics, comp))
     marked: set[int] = set()
     for m in comp.markers:
         if log.may_match(m, comp):
@@ -751,13 +756,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     for k, h in exit_hits(comp, code, sig_no, stopped_by).items():
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
-    for h in rules.hits():
-        have = by_id.get(h.id)
-        if have is None:
-            by_id[h.id] = h
-        else:
-            have.lines = sorted(set(have.lines) | set(h.lines))
-            have.detail = have.detail or h.detail
+    _merge_hits(by_id, rules.hits())
     dropped: list[Hit] = []
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
