@@ -44,7 +44,9 @@ def test_a_server_killed_mid_prepare_dataset_takes_its_job_and_temp_folders_with
     (ws_root / "briefs").mkdir()
     (ws_root / "briefs" / "sft.md").write_text(task.sample_brief("sft-lora"))
     task.write_jsonl(task.sft_conversations(ROWS), ws_root / "incoming" / "sft.jsonl")
-    tmp = tmp_path / "server-tmp"  # the server's TMPDIR: the warm worker's folder and the jobs' stderr files
+    # The server's TMPDIR: the warm worker's folder and the jobs' stderr files. Deep on purpose: the worker's
+    # socket path under it is longer than a socket address may be (108 bytes), as under CI's xdist folders.
+    tmp = tmp_path / ("server-tmp-" + "d" * 60)
     tmp.mkdir()
     datasets = ws_root / "datasets"
     seen: dict = {}

@@ -274,7 +274,7 @@ class _Warm:
             raise _WarmUnavailable()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.connect(self.sock)
+            _connect(conn, self.sock)
         except OSError:
             conn.close()
             raise _WarmUnavailable() from None
@@ -323,6 +323,20 @@ class _Warm:
                 pass
         self.err.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _connect(conn: socket.socket, path: str) -> None:
+    """Connect to the worker's socket, also when its path is longer than a socket address may be (a deep
+    TMPDIR): then through this process's descriptor of its folder, /proc/self/fd/N/s, which is short. A
+    chdir would do too, but it is process-wide and this server has threads."""
+    if len(os.fsencode(path)) <= 107:  # sockaddr_un.sun_path: 108 bytes on Linux, with its NUL
+        conn.connect(path)
+        return
+    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        conn.connect(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+    finally:
+        os.close(fd)
 
 
 _warm: _Warm | None = None

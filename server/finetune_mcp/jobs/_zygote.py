@@ -119,6 +119,24 @@ def _child(conn: socket.socket, req: dict, keep: list) -> None:
             os._exit(code)
 
 
+SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes on Linux, with its NUL
+
+
+def _bind(listener: socket.socket, path: str) -> None:
+    """Bind to `path`, also when it is longer than a socket address may be (a deep TMPDIR, a pytest folder):
+    then bind to its base name from inside its folder. This process has no other thread yet, and every job
+    it forks changes to its caller's folder first. The parent connects through /proc/self/fd (worker.py)."""
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        listener.bind(path)
+        return
+    here = os.getcwd()
+    os.chdir(os.path.dirname(os.path.abspath(path)))
+    try:
+        listener.bind(os.path.basename(path))
+    finally:
+        os.chdir(here)
+
+
 def main() -> None:
     path = sys.argv[1]
     idle_s = float(os.environ.get("FINETUNE_MCP_WORKER_IDLE_S") or 900)
@@ -133,7 +151,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    _bind(listener, path)
     listener.listen(16)
     out.write(json.dumps({"event": "ready", "pid": os.getpid(), "preloaded": loaded, "missing": missing}) + "\n")
 
