@@ -71,18 +71,19 @@ def main() -> int:
         os.environ.pop("OUTPUT_ROOT", None)
         ids = write_runs(root, a.runs, a.records)
         from finetune_mcp.context import PhaseContext
-        from finetune_mcp.phases import compare, run
+        from finetune_mcp.domain import run_notes
+        from finetune_mcp.tools import call
 
         pc = PhaseContext.for_role("training-engineer")
         res: dict[str, list[float]] = {"table": [], "plot": [], "mcp": [], "polls": []}
         for _ in range(a.rounds):
-            run.forget()
+            run_notes.forget()
             t0 = time.perf_counter()
-            r = compare.compare_runs(pc, EXP, plot=False)
+            r = call("compare_runs", pc, experiment=EXP, plot=False)
             res["table"].append(time.perf_counter() - t0)
             assert len(r.runs) == a.runs and r.varied == ["hparams.learning_rate", "hparams.lora_r"], r.varied
             t0 = time.perf_counter()
-            r = compare.compare_runs(pc, EXP, plot=True)
+            r = call("compare_runs", pc, experiment=EXP, plot=True)
             res["plot"].append(time.perf_counter() - t0)
             assert r._image_png[:4] == b"\x89PNG"
 

@@ -132,7 +132,7 @@ def build(root: Path, n_prompts: int, mnt: int) -> dict:
         "eval.yaml": f"scorer: contains\nmax_new_tokens: {mnt}\ndrift_max_new_tokens: {mnt}\nloss_data: prompts\n"
                      "thresholds: {max_kl: 1.0, max_perplexity_ratio: 1.5}\n",
     }
-    from finetune_mcp.phases.gate import GENERAL_PROMPTS
+    from finetune_mcp.domain.suite import GENERAL_PROMPTS
 
     general = [json.loads(line)["prompt"] for line in GENERAL_PROMPTS.read_text().splitlines() if line.strip()]
     return {"ws": ws, "exp": exp, "run_id": run_id, "files": files, "model": str(smol), "adapter": str(r / "adapter"),
@@ -142,7 +142,7 @@ def build(root: Path, n_prompts: int, mnt: int) -> dict:
 async def rounds(w: dict, env: dict, n: int) -> tuple[float, list[float], list[dict], list[dict], dict]:
     """One eval-engineer session for every call, so its job worker stays warm after the first (cold) call;
     the baseline runs between our calls, each in a fresh Python."""
-    from finetune_mcp.phases.gate import read_eval_result
+    from finetune_mcp.domain.verdicts import read_eval_result
 
     async with session("eval-engineer", env) as s:
         for name, content in w["files"].items():

@@ -44,12 +44,8 @@ def main() -> int:
     os.environ["DGX_SPARK_ROOT"] = str(root)
     os.environ.pop("OUTPUT_ROOT", None)
     from finetune_mcp.context import PhaseContext
-    from finetune_mcp.embedded import task
-    from finetune_mcp.phases import export as ex, gate
-    from finetune_mcp.phases.config import generate_config
-    from finetune_mcp.phases.dataset import prepare_dataset
-    from finetune_mcp.phases.preflight import preflight
-    from finetune_mcp.phases.run import launch_run, poll_progress
+    from finetune_mcp.common import task
+    from finetune_mcp.tools import call
 
     t0 = time.perf_counter()
     train = PhaseContext.for_role("training-engineer")
@@ -57,12 +53,12 @@ def main() -> int:
     inbox.mkdir(parents=True, exist_ok=True)
     (inbox / "training-brief.md").write_text(task.sample_brief("sft-lora"))
     task.write_jsonl(task.sft_conversations(args.rows, seed=0), inbox / "data.jsonl")
-    prep = prepare_dataset(train, brief_path=str(inbox / "training-brief.md"), source=str(inbox / "data.jsonl"))
+    prep = call("prepare_dataset", train, brief_path=str(inbox / "training-brief.md"), source=str(inbox / "data.jsonl"))
     exp = prep.experiment
-    pf = preflight(train, experiment=exp)
-    generate_config(train, experiment=exp, tag="bench", overrides={"num_train_epochs": args.epochs})
-    run = launch_run(train, experiment=exp, tag="bench", accept_warnings=pf.verdict == "ready-with-warnings")
-    while (st := poll_progress(train, run_id=run.run_id, cursor=0, limit=1)).status not in ("succeeded", "failed", "stopped"):
+    pf = call("preflight", train, experiment=exp)
+    call("generate_config", train, experiment=exp, tag="bench", overrides={"num_train_epochs": args.epochs})
+    run = call("launch_run", train, experiment=exp, tag="bench", accept_warnings=pf.verdict == "ready-with-warnings")
+    while (st := call("poll_progress", train, run_id=run.run_id, cursor=0, limit=1)).status not in ("succeeded", "failed", "stopped"):
         time.sleep(2)
     if st.status != "succeeded":
         print(f"training run {st.status}: {st.summary}")
@@ -71,20 +67,20 @@ def main() -> int:
 
     ev_pc = PhaseContext.for_role("eval-engineer")
     items = task.eval_suite(40, seed=1)
-    gate.write_eval_file(ev_pc, exp, "prompts.jsonl", "".join(json.dumps(i) + "\n" for i in items))
-    gate.write_eval_file(ev_pc, exp, "goldens.jsonl", "".join(json.dumps({"prompt": i["prompt"]}) + "\n" for i in items[:5]))
-    ev = gate.evaluate_checkpoint(ev_pc, run.run_id)
+    call("write_eval_file", ev_pc, experiment=exp, relpath="prompts.jsonl", content="".join(json.dumps(i) + "\n" for i in items))
+    call("write_eval_file", ev_pc, experiment=exp, relpath="goldens.jsonl", content="".join(json.dumps({"prompt": i["prompt"]}) + "\n" for i in items[:5]))
+    ev = call("evaluate_checkpoint", ev_pc, run_id=run.run_id)
     print(ev.summary)
     if not all(ev.passed.values()):
         print("the run did not pass its thresholds; raise --epochs or --rows")
         return 1
-    gate.record_verdict(ev_pc, run.run_id, "PROMOTE", ev.summary)
+    call("record_verdict", ev_pc, run_id=run.run_id, verdict="PROMOTE", evidence=ev.summary)
 
     rows = []
     for fmt in args.formats:
         t = time.perf_counter()
         try:
-            res = ex.export(train, run_id=run.run_id, format=fmt, target_runtime=FORMATS[fmt])
+            res = call("export", train, run_id=run.run_id, format=fmt, target_runtime=FORMATS[fmt])
         except Exception as e:  # one format failing (no llama.cpp) must not hide the others
             rows.append((fmt, FORMATS[fmt], "-", "-", "-", "-", f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"))
             continue

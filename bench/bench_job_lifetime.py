@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=50000)
     ap.add_argument("--wait", type=float, default=300.0)
     a = ap.parse_args()
-    from finetune_mcp.embedded import task
+    from finetune_mcp.common import task
     from finetune_mcp.worker import run_job
 
     base = Path(tempfile.mkdtemp(prefix="bench-lifetime-"))

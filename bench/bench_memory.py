@@ -29,7 +29,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "server"))
 
 from finetune_mcp.demo import session  # noqa: E402
-from finetune_mcp.embedded import identity, task  # noqa: E402
+from finetune_mcp.common import task  # noqa: E402
+from finetune_mcp.embedded import identity  # noqa: E402
 
 SMOL = REPO / ".ci-cache" / "smollm2-root" / "base-models" / "SmolLM2-135M-Instruct"
 

@@ -85,7 +85,8 @@ def main() -> int:
         os.environ["DGX_SPARK_ROOT"] = str(root)
         os.environ.pop("OUTPUT_ROOT", None)
         from finetune_mcp.context import PhaseContext
-        from finetune_mcp.phases import run as R
+        from finetune_mcp.domain import run_notes
+        from finetune_mcp.tools import call
 
         pc = PhaseContext.for_role("training-engineer")
         runs = {}
@@ -96,24 +97,18 @@ def main() -> int:
 
         results: dict[int, dict[str, list[float]]] = {}
         for n, (run_id, size) in runs.items():
-            first = R.poll_progress(pc, run_id, cursor=0, limit=5000)
+            first = call("poll_progress", pc, run_id=run_id, cursor=0, limit=5000)
             assert first.status == "running", first.summary
             end = size
-            check = R.poll_progress(pc, run_id, cursor=end)
+            check = call("poll_progress", pc, run_id=run_id, cursor=end)
             assert check.records == [] and check.last.step == n and check.next_cursor == end, check.summary
 
             def warm():
-                R.poll_progress(pc, run_id, cursor=end)
+                call("poll_progress", pc, run_id=run_id, cursor=end)
 
-            def cold():
-                if hasattr(R, "forget"):
-                    R.forget()
-                else:  # the code before the split into run_state / progress (to measure it side by side)
-                    R._CACHE.clear()
-                    R._NOTED.clear()
-                    R._RUN_CONFIG.clear()
-                    R._WRITES_PROGRESS.clear()
-                R.poll_progress(pc, run_id, cursor=end)
+            def cold():  # a freshly started server: nothing remembered of the run
+                run_notes.forget()
+                call("poll_progress", pc, run_id=run_id, cursor=end)
 
             results[n] = {"warm": time_calls(warm, a.calls), "cold": time_calls(cold, a.calls)}
 

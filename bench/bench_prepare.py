@@ -5,7 +5,7 @@
     /work/main/.venv/bin/python bench/bench_prepare.py --real       # real public files: the long_records table
 
 Builds the embedded model into a temporary DGX_SPARK_ROOT, writes two synthetic sets of N examples from
-finetune_mcp.embedded.task, and for each runs, side by side:
+finetune_mcp.common.task, and for each runs, side by side:
 
   ours      the prepare_dataset phase end to end (light pass, worker child start, validation, near
             duplicates, collapse guard, templating, TRL pack_dataset "bfd", decoding, writing files, card)
@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE.parent / "server"))
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from finetune_mcp.embedded import task  # noqa: E402
+from finetune_mcp.common import task  # noqa: E402
 
 BASELINE = textwrap.dedent('''
     import json, sys, time
@@ -135,7 +135,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     os.environ["DGX_SPARK_ROOT"] = str(tmp / "root")
     from finetune_mcp.context import PhaseContext
-    from finetune_mcp.phases.dataset import prepare_dataset
+    from finetune_mcp.tools import call
     from finetune_mcp.worker import release_warm, run_job
     from finetune_mcp.workspace import Workspace
 
@@ -164,7 +164,7 @@ def main() -> int:
         release_warm()
         pc = PhaseContext.for_role("training-engineer", ws)
         t0 = time.perf_counter()
-        res = prepare_dataset(pc, str(brief), str(src), dataset_name=f"bench-{name}-cold")
+        res = call("prepare_dataset", pc, brief_path=str(brief), source=str(src), dataset_name=f"bench-{name}-cold")
         ours_cold = time.perf_counter() - t0
         if not res.complete:
             print(res.text(), file=sys.stderr)
@@ -180,7 +180,7 @@ def main() -> int:
             bases.append(json.loads(p.stdout.strip().splitlines()[-1]))
             pc = PhaseContext.for_role("training-engineer", ws)
             t0 = time.perf_counter()
-            res = prepare_dataset(pc, str(brief), str(src), dataset_name=f"bench-{name}")
+            res = call("prepare_dataset", pc, brief_path=str(brief), source=str(src), dataset_name=f"bench-{name}")
             ours.append(time.perf_counter() - t0)
             if not res.complete:
                 print(res.text(), file=sys.stderr)

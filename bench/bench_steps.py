@@ -137,10 +137,9 @@ def main() -> int:
         os.environ["DGX_SPARK_ROOT"] = str(root)
         os.environ.pop("OUTPUT_ROOT", None)
         from finetune_mcp.context import PhaseContext
-        from finetune_mcp.embedded import task
-        from finetune_mcp.phases.config import generate_config, resolve_run_config
-        from finetune_mcp.phases.dataset import prepare_dataset
-        from finetune_mcp.phases.preflight import preflight
+        from finetune_mcp.common import task
+        from finetune_mcp.domain.recipes import resolve_run_config
+        from finetune_mcp.tools import call
         from finetune_mcp.worker import train_python
 
         pc = PhaseContext.for_role("training-engineer")
@@ -158,9 +157,9 @@ def main() -> int:
             (inbox / "training-brief.md").write_text(task.sample_brief("sft-lora"))
             task.write_jsonl(task.sft_conversations(2000, seed=0), inbox / "data.jsonl")
         t0 = time.perf_counter()
-        exp = prepare_dataset(pc, brief_path=str(inbox / "training-brief.md"), source=str(inbox / "data.jsonl")).experiment
-        preflight(pc, experiment=exp)
-        gen = generate_config(pc, experiment=exp, tag="bench", overrides={"max_steps": a.steps, "eval_at_end": False})
+        exp = call("prepare_dataset", pc, brief_path=str(inbox / "training-brief.md"), source=str(inbox / "data.jsonl")).experiment
+        call("preflight", pc, experiment=exp)
+        gen = call("generate_config", pc, experiment=exp, tag="bench", overrides={"max_steps": a.steps, "eval_at_end": False})
         print(f"# set-up {time.perf_counter() - t0:.0f}s: {gen.summary}", flush=True)
         exp_dir = pc.ws.experiment_dir(exp)
         python = train_python()
@@ -176,7 +175,8 @@ def main() -> int:
                 cfg = resolve_run_config(exp_dir, "bench", {"run_id": f"{exp}/bench-{side}-{i}", "run_dir": str(run_dir)})
                 (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
                 if side == "ours":
-                    shutil.copyfile(exp_dir / "train.py", run_dir / "train.py")
+                    for name in ("train.py", "masking.py"):  # train.py imports its declared sibling
+                        shutil.copyfile(exp_dir / name, run_dir / name)
                     run([python, "train.py", "--config", "config.yaml"], run_dir, hook_dir)
                     ours.append(ours_steps_per_second(run_dir))
                 else:

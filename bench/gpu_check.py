@@ -207,7 +207,8 @@ RUNS = [
 
 
 def brief_and_rows(model: str, method: str, seq: int):
-    from finetune_mcp.embedded import identity, task
+    from finetune_mcp.embedded import identity
+    from finetune_mcp.common import task
 
     if model == "finetune-mcp-tiny":
         key = {"SFT-LoRA": "sft-lora", "SFT-QLoRA": "sft-qlora", "DPO": "dpo"}[method]
@@ -244,7 +245,7 @@ async def _run_async(check: Check, spec: RunSpec, python: str, budget: float, co
     import anyio
 
     from finetune_mcp.demo import session
-    from finetune_mcp.embedded import task
+    from finetune_mcp.common import task
 
     t_end = time.time() + budget
     out = check.tree / "runs" / spec.name

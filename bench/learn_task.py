@@ -5,7 +5,7 @@
     /work/main/.venv/bin/python bench/learn_task.py --data dialogues --max-length 128   # the multi-turn chat set
 
 Builds the model into a temporary root, trains with plain TRL SFTTrainer + PEFT LoRA on the CPU,
-scores greedy answers on held-out prompts with finetune_mcp.embedded.task.score, and prints a table.
+scores greedy answers on held-out prompts with finetune_mcp.common.task.score, and prints a table.
 Variants: "lora+embed" (LoRA r=8 on every linear layer, embed_tokens and lm_head fully trained via
 modules_to_save) and "lora-only" (the same LoRA, embeddings frozen).
 """
@@ -27,7 +27,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
-from finetune_mcp.embedded import task  # noqa: E402
+from finetune_mcp.common import task  # noqa: E402
 from finetune_mcp.jobs.build_tiny_model import build  # noqa: E402
 
 VARIANTS = {

@@ -8,8 +8,7 @@ import json
 
 import anyio
 
-from conftest import mcp_session
-from test_run import call, finished, pipeline, poll_until, run_dir_of  # noqa: F401  (pipeline: fixture)
+from conftest import finished, mcp_session, poll_until, run_call, run_dir_of
 
 STEPS = 30
 
@@ -25,11 +24,11 @@ def test_compare_runs_table_and_overlaid_curves_for_both_roles(pipeline, monkeyp
     async def main():
         async with mcp_session() as s:
             for tag in ("lr-high", "lr-low"):
-                run_id = (await call(s, "launch_run", {"experiment": exp, "tag": tag, "accept_warnings": True}))["run_id"]
+                run_id = (await run_call(s, "launch_run", {"experiment": exp, "tag": tag, "accept_warnings": True}))["run_id"]
                 out[tag] = await poll_until(s, run_id, finished, limit=5000)
             ids = [out["lr-high"][1]["run_id"], out["lr-low"][1]["run_id"]]
             out["train"] = await s.call_tool("compare_runs", {"experiment": exp, "runs": ids})
-            out["all"] = await call(s, "compare_runs", {"experiment": exp, "plot": False})
+            out["all"] = await run_call(s, "compare_runs", {"experiment": exp, "plot": False})
         async with mcp_session("eval-engineer") as s:
             out["eval"] = await s.call_tool("compare_runs", {"experiment": exp, "runs": ids[::-1], "plot": False})
 

@@ -14,68 +14,26 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from conftest import call_tool, prepare_experiment
 import yaml
 
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.embedded import task
-from finetune_mcp.errors import BadInput, Refused
-from finetune_mcp.phases import config as C
-from finetune_mcp.phases import preflight as P
-from finetune_mcp.phases.brief import METHODS, parse_brief
+from finetune_mcp.common import task
+from finetune_mcp.common.errors import BadInput, Refused
+from finetune_mcp.domain import machine as P
+from finetune_mcp.domain import recipes as C
+from finetune_mcp.domain import render
+from finetune_mcp.domain.brief import METHODS
 from finetune_mcp.workspace import file_state, git
 
 FIX = Path(__file__).parent / "fixtures"
 OBS = FIX / "observations"
 
-GENERATORS = {
-    "sft-lora": task.sft_conversations,
-    "sft-qlora": task.sft_conversations,
-    "dpo": task.preference_pairs,
-    "orpo": task.preference_pairs,
-    "simpo": task.preference_pairs,
-    "kto": task.kto_rows,
-    "grpo": task.grpo_prompts,
-}
-
-
-def prepare_experiment(root: Path, model_dir: Path | None, method: str, *, observation: str = "cpu-this-machine.json",
-                       brief_text: str | None = None, n_train: int = 512, n_eval: int = 32) -> tuple[PhaseContext, str]:
-    """An experiment as prepare_dataset and preflight leave it: brief, base model, dataset, env-report.json."""
-    import os
-
-    os.environ["DGX_SPARK_ROOT"] = str(root)
-    os.environ.pop("OUTPUT_ROOT", None)
-    pc = PhaseContext.for_role("training-engineer")
-    pc.ws.ensure_dirs()
-    if model_dir is not None:
-        target = pc.ws.base_models_dir / model_dir.name
-        if not target.exists():
-            shutil.copytree(model_dir, target)
-    text = brief_text or task.sample_brief(method)
-    brief = parse_brief(text)
-    exp = pc.ws.experiments_dir / brief.experiment
-    exp.mkdir(parents=True, exist_ok=True)
-    (exp / "training-brief.md").write_text(text)
-    gen = GENERATORS.get(brief.method, task.sft_conversations)
-    data = pc.ws.datasets_dir / brief.experiment
-    task.write_jsonl(gen(n_train, 0), data / "train.jsonl")
-    task.write_jsonl(gen(n_eval, 1), data / "eval.jsonl")
-    old = os.environ.get(P.REPLAY_ENV)
-    os.environ[P.REPLAY_ENV] = str(OBS / observation)
-    try:
-        P.preflight(pc, brief.experiment)
-    finally:
-        if old is None:
-            os.environ.pop(P.REPLAY_ENV, None)
-        else:
-            os.environ[P.REPLAY_ENV] = old
-    return pc, brief.experiment
-
-
 @pytest.fixture
-def prepared(ws_root, tiny_model_dir):
+def prepared(ws_root, tiny_model_dir, monkeypatch):
     def make(method="sft-lora", **kw):
-        return prepare_experiment(ws_root, tiny_model_dir, method, **kw)
+        return prepare_experiment(ws_root, tiny_model_dir, method, monkeypatch=monkeypatch, **kw)
 
     return make
 
@@ -91,7 +49,7 @@ def test_no_env_report_no_script(prepared):
     pc, exp = prepared()
     (pc.ws.experiments_dir / exp / "env-report.json").unlink()
     with pytest.raises(Refused) as e:
-        C.generate_config(pc, exp, "r1")
+        call_tool("generate_config", pc, exp, "r1")
     assert "preflight" in e.value.fix and "env-report.json" in e.value.message
     assert not (pc.ws.experiments_dir / exp / "train.py").exists()
 
@@ -99,7 +57,7 @@ def test_no_env_report_no_script(prepared):
 def test_blended_override_is_refused_naming_its_method(prepared):
     pc, exp = prepared("sft-lora")
     with pytest.raises(BadInput) as e:
-        C.generate_config(pc, exp, "r1", overrides={"beta": 0.1, "learning_rate": 1e-4})
+        call_tool("generate_config", pc, exp, "r1", overrides={"beta": 0.1, "learning_rate": 1e-4})
     msg = str(e.value)
     assert "'beta' belongs to DPO, ORPO, KTO, SimPO, GRPO, not to SFT-LoRA" in msg
     assert "overrides" in msg and not (pc.ws.experiments_dir / exp / "configs").exists(), "a refused call writes nothing"
@@ -108,14 +66,14 @@ def test_blended_override_is_refused_naming_its_method(prepared):
 def test_grpo_key_in_dpo_is_refused_naming_grpo(prepared):
     pc, exp = prepared("dpo")
     with pytest.raises(BadInput) as e:
-        C.generate_config(pc, exp, "r1", overrides={"num_generations": 4})
+        call_tool("generate_config", pc, exp, "r1", overrides={"num_generations": 4})
     assert "belongs to GRPO, not to DPO" in str(e.value)
 
 
 def test_unknown_and_mistyped_overrides_are_all_reported(prepared):
     pc, exp = prepared("sft-lora")
     with pytest.raises(BadInput) as e:
-        C.generate_config(pc, exp, "r1", overrides={"lora_rank": 32, "learning_rate": "fast", "precision": "int3"})
+        call_tool("generate_config", pc, exp, "r1", overrides={"lora_rank": 32, "learning_rate": "fast", "precision": "int3"})
     msg = str(e.value)
     assert "did you mean 'lora_r'" in msg
     assert "learning_rate: 'fast' is not a float" in msg
@@ -126,9 +84,9 @@ def test_unknown_and_mistyped_overrides_are_all_reported(prepared):
 def test_bad_backend_and_tag(prepared):
     pc, exp = prepared()
     with pytest.raises(BadInput):
-        C.generate_config(pc, exp, "r1", backend="axolotl")
+        call_tool("generate_config", pc, exp, "r1", backend="axolotl")
     with pytest.raises(BadInput):
-        C.generate_config(pc, exp, "../r1")
+        call_tool("generate_config", pc, exp, "../r1")
 
 
 # ---------------------------------------------------------------- resolution and sources
@@ -136,7 +94,7 @@ def test_bad_backend_and_tag(prepared):
 
 def test_sft_on_cpu_resolves_every_value_with_its_source(prepared):
     pc, exp = prepared("sft-lora")
-    r = C.generate_config(pc, exp, "r8", overrides={"max_steps": 30})
+    r = call_tool("generate_config", pc, exp, "r8", overrides={"max_steps": 30})
     v = {k: x.value for k, x in r.resolved.items()}
     src = {k: x.source for k, x in r.resolved.items()}
     assert r.method == "sft-lora" and r.backend == "trl"
@@ -168,7 +126,7 @@ def test_sft_on_cpu_resolves_every_value_with_its_source(prepared):
 
 def test_files_are_written_and_committed(prepared):
     pc, exp = prepared("sft-lora")
-    r = C.generate_config(pc, exp, "r8")
+    r = call_tool("generate_config", pc, exp, "r8")
     d = pc.ws.experiments_dir / exp
     for rel in ("configs/base.yaml", "configs/run-r8.yaml", "train.py", "train.sh"):
         assert str(d / rel) in r.files
@@ -181,13 +139,13 @@ def test_files_are_written_and_committed(prepared):
     assert 'OUTPUT_ROOT="${OUTPUT_ROOT:-${DGX_SPARK_ROOT}/outputs/trainings}"' in sh
     assert "RUN_TAG:?" in sh and "$(date +%Y%m%d-%H%M)-${RUN_TAG}" in sh
     # The same call again changes nothing, so it commits nothing new.
-    again = C.generate_config(pc, exp, "r8")
+    again = call_tool("generate_config", pc, exp, "r8")
     assert again.commit == r.commit
 
 
 def test_override_outside_the_settled_range_is_kept_with_a_warning(prepared):
     pc, exp = prepared("sft-lora")
-    r = C.generate_config(pc, exp, "hot", overrides={"lora_dropout": 0.3})
+    r = call_tool("generate_config", pc, exp, "hot", overrides={"lora_dropout": 0.3})
     assert r.resolved["lora_dropout"].value == 0.3
     assert any("lora_dropout = 0.3 is outside the settled range [0, 0.1]" in w for w in r.warnings)
 
@@ -197,7 +155,7 @@ def test_each_method_gets_only_its_recipe(prepared):
                 "simpo": {"beta": 2.0, "simpo_gamma": 1.0, "cpo_alpha": 0.0}, "grpo": {"num_generations": 8, "max_completion_length": 8}}
     for method, want in expected.items():
         pc, exp = prepared(method)
-        r = C.generate_config(pc, exp, "t")
+        r = call_tool("generate_config", pc, exp, "t")
         v = {k: x.value for k, x in r.resolved.items()}
         for k, x in want.items():
             assert v[k] == x, (method, k)
@@ -219,7 +177,7 @@ def test_each_method_gets_only_its_recipe(prepared):
 
 def test_unsloth_first_where_it_imports_and_supports_the_method(prepared):
     pc, exp = prepared("sft-lora", observation="h100.json")
-    r = C.generate_config(pc, exp, "gpu")
+    r = call_tool("generate_config", pc, exp, "gpu")
     assert r.backend == "unsloth" and "supports SFT-LoRA on generic-nvidia" in r.backend_reason
     run = _run_yaml(pc, exp, "gpu")
     calls = run["calls"]
@@ -231,7 +189,7 @@ def test_unsloth_first_where_it_imports_and_supports_the_method(prepared):
     assert "from unsloth import FastLanguageModel" in train_py
     assert train_py.index("from unsloth import") < train_py.index("from trl import"), "unsloth must be imported before TRL"
     # The same experiment forced onto the escape hatch: same values, TRL's spellings.
-    t = C.generate_config(pc, exp, "gpu-trl", backend="trl")
+    t = call_tool("generate_config", pc, exp, "gpu-trl", backend="trl")
     assert t.backend == "trl" and "forced" in t.backend_reason
     tcalls = _run_yaml(pc, exp, "gpu-trl")["calls"]
     assert "max_seq_length" not in tcalls["load"] and "random_state" not in tcalls["peft"]
@@ -241,9 +199,9 @@ def test_unsloth_first_where_it_imports_and_supports_the_method(prepared):
 
 def test_methods_unsloth_lacks_on_cpu_take_the_escape_hatch(prepared):
     pc, exp = prepared("dpo")
-    r = C.generate_config(pc, exp, "t")
+    r = call_tool("generate_config", pc, exp, "t")
     assert r.backend == "trl"
-    forced = C.generate_config(pc, exp, "u", backend="unsloth")
+    forced = call_tool("generate_config", pc, exp, "u", backend="unsloth")
     assert forced.backend == "unsloth"
     assert any("does not train DPO on cpu" in w for w in forced.warnings)
     assert any("no importable unsloth" in w for w in forced.warnings)
@@ -251,7 +209,7 @@ def test_methods_unsloth_lacks_on_cpu_take_the_escape_hatch(prepared):
 
 def test_t4_without_bf16_gets_fp16(prepared):
     pc, exp = prepared("sft-lora", observation="t4.json")
-    r = C.generate_config(pc, exp, "t4")
+    r = call_tool("generate_config", pc, exp, "t4")
     assert r.resolved["precision"].value == "fp16" and "fp16-without-bf16" in r.resolved["precision"].source
     calls = _run_yaml(pc, exp, "t4")["calls"]
     assert calls["trainer"]["fp16"] is True and calls["trainer"]["bf16"] is False
@@ -266,10 +224,11 @@ def _big_model_brief(budget: str, extra: str = "") -> str:
     return text.replace("max_seq_length: 64", "max_seq_length: 2048")
 
 
-def test_budget_rules_checkpoint_then_halve_batch_and_qlora_only_when_allowed(ws_root):
+def test_budget_rules_checkpoint_then_halve_batch_and_qlora_only_when_allowed(ws_root, monkeypatch):
     big = FIX / "models" / "llama-3.1-8b"
-    pc, exp = prepare_experiment(ws_root, big, "sft-lora", observation="h100.json", brief_text=_big_model_brief("20 GB"))
-    r = C.generate_config(pc, exp, "b1")
+    pc, exp = prepare_experiment(ws_root, big, "sft-lora", monkeypatch=monkeypatch, observation="h100.json",
+                                 brief_text=_big_model_brief("20 GB"))
+    r = call_tool("generate_config", pc, exp, "b1")
     v, src = {k: x.value for k, x in r.resolved.items()}, {k: x.source for k, x in r.resolved.items()}
     assert v["per_device_train_batch_size"] == 1 and src["per_device_train_batch_size"].startswith("budget rule")
     assert v["gradient_accumulation_steps"] == 8, "halving the batch keeps the effective batch"
@@ -277,23 +236,24 @@ def test_budget_rules_checkpoint_then_halve_batch_and_qlora_only_when_allowed(ws
     assert any("does not allow it" in w for w in r.warnings)
     assert r.memory_estimate["fits"] is False and "lora-qlora-recipes#memory-budget" in r.citations
 
-    pc, exp = prepare_experiment(ws_root, big, "sft-lora", observation="h100.json",
+    pc, exp = prepare_experiment(ws_root, big, "sft-lora", monkeypatch=monkeypatch, observation="h100.json",
                                  brief_text=_big_model_brief("20 GB", " (QLoRA allowed)"))
-    r = C.generate_config(pc, exp, "b2")
+    r = call_tool("generate_config", pc, exp, "b2")
     assert r.resolved["load_in_4bit"].value is True and "allows QLoRA" in r.resolved["load_in_4bit"].source
     assert r.memory_estimate["fits"] is True
     calls = _run_yaml(pc, exp, "b2")["calls"]
     assert calls["load"]["load_in_4bit"] is True  # Unsloth on the H100
-    t = C.generate_config(pc, exp, "b2-trl", backend="trl")
+    t = call_tool("generate_config", pc, exp, "b2-trl", backend="trl")
     q = _run_yaml(pc, exp, "b2-trl")["calls"]["quantization"]
     assert q == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"}
     assert t.resolved["load_in_4bit"].value is True
 
 
-def test_an_override_beats_the_budget_and_says_so(ws_root):
+def test_an_override_beats_the_budget_and_says_so(ws_root, monkeypatch):
     big = FIX / "models" / "llama-3.1-8b"
-    pc, exp = prepare_experiment(ws_root, big, "sft-lora", observation="h100.json", brief_text=_big_model_brief("20 GB"))
-    r = C.generate_config(pc, exp, "b3", overrides={"per_device_train_batch_size": 4})
+    pc, exp = prepare_experiment(ws_root, big, "sft-lora", monkeypatch=monkeypatch, observation="h100.json",
+                                 brief_text=_big_model_brief("20 GB"))
+    r = call_tool("generate_config", pc, exp, "b3", overrides={"per_device_train_batch_size": 4})
     assert r.resolved["per_device_train_batch_size"].value == 4
     assert any("replaces a budget rule's value" in w for w in r.warnings)
 
@@ -307,7 +267,7 @@ def test_every_method_and_backend_renders_and_byte_compiles(method, backend, tmp
     from finetune_mcp.skills import load_skills
 
     skill, recipe = C.all_recipes(load_skills())[method]
-    text = C.render_train_py(method, backend, "demo-experiment", recipe)
+    text = render.render_train_py(method, backend, "demo-experiment", recipe)
     path = tmp_path / "train.py"
     path.write_text(text)
     py_compile.compile(str(path), doraise=True)
@@ -319,9 +279,11 @@ def test_every_method_and_backend_renders_and_byte_compiles(method, backend, tmp
     imported = set(re.findall(r"^\s*(?:from|import)\s+([A-Za-z_][\w]*)", text, re.M))
     stack = {"torch", "transformers", "trl", "peft", "datasets", "yaml", "unsloth", "PIL", "psutil", "pynvml", "tensorboard", "matplotlib"}
     stdlib = {"__future__", "argparse", "hashlib", "json", "math", "os", "re", "shutil", "signal", "sys", "threading", "time", "pathlib"}
-    assert imported <= stack | stdlib, imported - stack - stdlib
+    # and, for the SFT family, masking.py: the declared byte-for-byte copy of common/masking.py written beside it
+    beside = {"masking"} if render.needs_masking(method) else set()
+    assert imported <= stack | stdlib | beside, imported - stack - stdlib - beside
     assert "import finetune_mcp" not in text and "from finetune_mcp" not in text
-    sh = C.render_train_sh(method, backend, "demo-experiment", "t1", recipe.label)
+    sh = render.render_train_sh(method, backend, "demo-experiment", "t1", recipe.label)
     assert "{{" not in sh
 
 
@@ -331,7 +293,7 @@ def test_train_py_digest_is_the_servers_algorithm(tmp_path):
     from finetune_mcp.skills import load_skills
 
     _, recipe = C.all_recipes(load_skills())["sft-lora"]
-    text = C.render_train_py("sft-lora", "trl", "x", recipe)
+    text = render.render_train_py("sft-lora", "trl", "x", recipe)
     head = text[: text.index("# --- config and data")]
     head = head.replace('signal.signal(signal.SIGTERM, _on_stop_signal)\nsignal.signal(signal.SIGINT, _on_stop_signal)\n', "")
     ns: dict = {}
@@ -365,7 +327,7 @@ def test_the_escape_hatch_table_and_its_prose_agree():
         if not row.key.startswith("@"):
             assert row.key in keys, row.key
     # every Unsloth entry point the templates call has a row
-    rendered = "".join(C.render_train_py(m, "unsloth", "x", C.all_recipes(sk)[m][1]) for m in ("sft-lora", "dpo", "vlm-sft"))
+    rendered = "".join(render.render_train_py(m, "unsloth", "x", C.all_recipes(sk)[m][1]) for m in ("sft-lora", "dpo", "vlm-sft"))
     for api, key in (("FastLanguageModel.from_pretrained", "@model_name"), ("get_peft_model", "@get_peft_model"),
                      ("PatchDPOTrainer", "@patch_trainer"), ("FastVisionModel", "@vision_model"),
                      ("UnslothVisionDataCollator", "@vision_collator")):
@@ -378,7 +340,7 @@ def test_the_escape_hatch_table_and_its_prose_agree():
 
 def test_resolve_run_config_merges_base_run_and_meta(prepared):
     pc, exp = prepared("sft-lora")
-    C.generate_config(pc, exp, "r8", overrides={"max_steps": 12})
+    call_tool("generate_config", pc, exp, "r8", overrides={"max_steps": 12})
     d = pc.ws.experiments_dir / exp
     meta = {"run_id": f"{exp}/20260101-0000-r8", "run_dir": "/x", "experiment_commit": "abc", "launcher": "local", "created_at": "t"}
     cfg = C.resolve_run_config(d, "r8", meta)
@@ -412,11 +374,11 @@ def test_generate_config_through_mcp(prepared):
     anyio.run(main)
 
 
-def test_prompt_completion_rows_train_on_the_completion_not_the_assistant_mask(ws_root, tiny_model_dir):
+def test_prompt_completion_rows_train_on_the_completion_not_the_assistant_mask(ws_root, tiny_model_dir, monkeypatch):
     text = task.sample_brief("sft-lora").replace("format: messages", "format: prompt-completion")
-    pc, exp = prepare_experiment(ws_root, tiny_model_dir, "sft-lora", brief_text=text)
+    pc, exp = prepare_experiment(ws_root, tiny_model_dir, "sft-lora", monkeypatch=monkeypatch, brief_text=text)
     task.write_jsonl(task.sft_prompt_completion(64, 0), pc.ws.datasets_dir / exp / "train.jsonl")
-    r = C.generate_config(pc, exp, "pc")
+    r = call_tool("generate_config", pc, exp, "pc")
     assert r.resolved["assistant_only_loss"].value is False
     assert "prompt-completion-loss" in r.resolved["assistant_only_loss"].source
 
@@ -424,7 +386,6 @@ def test_prompt_completion_rows_train_on_the_completion_not_the_assistant_mask(w
 def test_finds_what_the_real_prepare_dataset_wrote_under_another_name(ws_root, tiny_model_dir, monkeypatch):
     """prepare_dataset (the real phase, its worker job included) with a dataset_name of its own, then preflight and
     generate_config: the config names that dataset and takes its format and template facts from its meta.json."""
-    from finetune_mcp.phases.dataset import prepare_dataset
 
     pc = PhaseContext.for_role("training-engineer")
     pc.ws.ensure_dirs()
@@ -433,11 +394,11 @@ def test_finds_what_the_real_prepare_dataset_wrote_under_another_name(ws_root, t
     brief.write_text(task.sample_brief("sft-lora"))
     src = ws_root / "rows.jsonl"
     task.write_jsonl(task.sft_conversations(300, 0), src)
-    prep = prepare_dataset(pc, str(brief), str(src), dataset_name="my-words")
+    prep = call_tool("prepare_dataset", pc, str(brief), str(src), dataset_name="my-words")
     assert prep.complete, prep.summary
     monkeypatch.setenv(P.REPLAY_ENV, str(OBS / "cpu-this-machine.json"))
-    P.preflight(pc, prep.experiment)
-    C.generate_config(pc, prep.experiment, "t")
+    call_tool("preflight", pc, prep.experiment)
+    call_tool("generate_config", pc, prep.experiment, "t")
     base = yaml.safe_load((pc.ws.experiments_dir / prep.experiment / "configs" / "base.yaml").read_text())
     assert base["data"]["dir"] == str(pc.ws.datasets_dir / "my-words") and base["data"]["format"] == "messages"
     meta = yaml.safe_load((pc.ws.datasets_dir / "my-words" / "meta.json").read_text())

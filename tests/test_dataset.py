@@ -12,50 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp.context import PhaseContext
-from finetune_mcp.embedded import task
-from finetune_mcp.errors import BadInput, NotFound
-from finetune_mcp.phases.dataset import prepare_dataset
+from conftest import DATASET_FIXTURES, call_tool, context, job_params, nothing_in_datasets, source_lines, write_brief
+
+from finetune_mcp.common import task
+from finetune_mcp.common.errors import BadInput, NotFound
 from finetune_mcp.workspace import Workspace, git
 
-FIX = Path(__file__).parent / "fixtures" / "datasets"
 SPAN = re.compile(r"⟦(.*?)⟧", re.S)
 SAMPLE_HEAD = re.compile(r"^── sample \d+: record (\d+) \((.+?):(\d+)\), tokens \d+-\d+ ──$", re.M)
-
-
-@pytest.fixture
-def ws(ws_root, tiny_model_dir):
-    """A workspace whose base-models/ holds the embedded model (built once per session by the real job)."""
-    shutil.copytree(tiny_model_dir, ws_root / "base-models" / "finetune-mcp-tiny")
-    return Workspace.from_env()
-
-
-def context(ws: Workspace, progress=None) -> PhaseContext:
-    pc = PhaseContext.for_role("training-engineer", ws, data_dirs=[FIX])
-    return pc.with_progress(progress) if progress else pc
-
-
-def write_brief(ws: Workspace, method: str, seq: int | None = None, packing: bool | None = None, extra: str = "") -> Path:
-    """The sample brief for method; extra: `key: value` lines added under ## Dataset Expectation."""
-    text = task.sample_brief(method)
-    if extra:
-        text = re.sub(r"(## Dataset Expectation\n(?:.*\n)*?\n)", lambda m: m.group(1) + extra.strip() + "\n", text, count=1)
-    if seq is not None:
-        text = text.replace("max_seq_length: 64", f"max_seq_length: {seq}")
-    if packing is not None:
-        text = re.sub(r"packing: \w+", f"packing: {str(packing).lower()}", text)
-    p = ws.root / "briefs" / f"{method}-{seq}-{abs(hash(extra)) % 10**6}.md"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(text)
-    return p
-
-
-def nothing_in_datasets(ws: Workspace) -> bool:
-    return not ws.datasets_dir.exists() or not any(ws.datasets_dir.iterdir())
-
-
-def source_lines(path: Path) -> dict[int, dict]:
-    return {i: json.loads(line) for i, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()}
 
 
 # ---------------------------------------------------------------- the good path
@@ -63,7 +27,7 @@ def source_lines(path: Path) -> dict[int, dict]:
 
 def multi_turn_rows() -> list[dict]:
     """Conversations with a system turn and two exchanges: the mask must cover both answers, nothing else."""
-    qa = [json.loads(line)["messages"] for line in (FIX / "exact-duplicates.jsonl").read_text().splitlines()[:20]]
+    qa = [json.loads(line)["messages"] for line in (DATASET_FIXTURES / "exact-duplicates.jsonl").read_text().splitlines()[:20]]
     rows = []
     for i in range(0, 20, 2):
         a, b = qa[i], qa[i + 1]
@@ -76,7 +40,7 @@ def test_sft_messages_end_to_end(ws):
     rows = task.sft_conversations(140) + multi_turn_rows()
     task.write_jsonl(rows, src)
     notes: list[tuple] = []
-    res = prepare_dataset(context(ws, lambda d, t, m: notes.append((d, t, m))), str(write_brief(ws, "sft-lora", seq=128)), str(src))
+    res = call_tool("prepare_dataset", context(ws, lambda d, t, m: notes.append((d, t, m))), str(write_brief(ws, "sft-lora", seq=128)), str(src))
 
     assert res.complete, [c for c in res.checklist if not c.ok]
     assert [c.item.split(":")[0] for c in res.checklist] == [
@@ -146,7 +110,7 @@ def test_sft_messages_end_to_end(ws):
         assert (out / f).read_bytes() == (dd / f).read_bytes()
 
     # Running again replaces the dataset whole and stays complete (the tool is idempotent).
-    again = prepare_dataset(context(ws), str(write_brief(ws, "sft-lora", seq=128)), str(src))
+    again = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora", seq=128)), str(src))
     assert again.complete and (Path(again.dataset_dir) / "train.jsonl").read_bytes() == (dd / "train.jsonl").read_bytes()
     assert sorted(p.name for p in ws.datasets_dir.iterdir()) == [dd.name]
 
@@ -155,7 +119,7 @@ def test_dpo_pairs_are_templated_with_loss_on_both_completions(ws):
     src = ws.root / "incoming" / "pairs.jsonl"
     rows = task.preference_pairs(120)
     task.write_jsonl(rows, src)
-    res = prepare_dataset(context(ws), str(write_brief(ws, "dpo")), str(src), dataset_name="pairs-v1", eval_fraction=0.1)
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "dpo")), str(src), dataset_name="pairs-v1", eval_fraction=0.1)
     assert res.complete, [c for c in res.checklist if not c.ok]
     assert res.packing is None and res.dataset_dir.endswith("/datasets/pairs-v1")
     meta = json.loads((Path(res.dataset_dir) / "meta.json").read_text())
@@ -220,14 +184,14 @@ def test_bad_records_are_refused_before_any_child_starts(ws, fixture, method, co
 
     monkeypatch.setattr(worker, "run_job", no_child)
     extra = "provenance: synthetic" if code == "exact-duplicate" else ""
-    res = prepare_dataset(context(ws), str(write_brief(ws, method, extra=extra)), str(FIX / fixture))
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, method, extra=extra)), str(DATASET_FIXTURES / fixture))
     assert_refused(ws, res, code, line, field, fixture)
 
 
 @pytest.mark.parametrize("fixture,method,seq,code,line,field", CHILD, ids=[c[3] for c in CHILD])
 def test_bad_sets_found_by_the_worker_leave_nothing_behind(ws, fixture, method, seq, code, line, field):
     extra = "long_records: refuse" if code == "too-long" else ""
-    res = prepare_dataset(context(ws), str(write_brief(ws, method, seq=seq, extra=extra)), str(FIX / fixture))
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, method, seq=seq, extra=extra)), str(DATASET_FIXTURES / fixture))
     if code.startswith("collapse-"):
         # A set-level verdict: it names where the pattern occurs, not one record.
         err = next(p for p in res.problems if p.code == code and p.severity == "error")
@@ -246,9 +210,9 @@ def test_bad_sets_found_by_the_worker_leave_nothing_behind(ws, fixture, method, 
 
 
 def test_sharegpt_is_converted_losslessly_and_other_shapes_are_refused_by_name(ws):
-    res = prepare_dataset(context(ws), str(write_brief(ws, "sft-lora")), str(FIX / "sharegpt.json"))
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora")), str(DATASET_FIXTURES / "sharegpt.json"))
     assert res.complete and res.converted_from == "sharegpt" and res.format == "messages"
-    src = json.loads((FIX / "sharegpt.json").read_text())
+    src = json.loads((DATASET_FIXTURES / "sharegpt.json").read_text())
     out = [json.loads(x) for p in ("train.jsonl", "eval.jsonl") for x in (Path(res.dataset_dir) / p).read_text().splitlines()]
     assert sorted(json.dumps([(m["role"], m["content"]) for m in r["messages"]]) for r in out) == sorted(
         json.dumps([({"human": "user", "gpt": "assistant"}[t["from"]], t["value"]) for t in r["conversations"]]) for r in src)
@@ -256,23 +220,14 @@ def test_sharegpt_is_converted_losslessly_and_other_shapes_are_refused_by_name(w
     pairs = ws.root / "incoming" / "pairs.jsonl"
     task.write_jsonl(task.preference_pairs(20), pairs)
     with pytest.raises(BadInput) as e:
-        prepare_dataset(context(ws), str(write_brief(ws, "sft-lora")), str(pairs))
+        call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora")), str(pairs))
     assert "messages: messages" in e.value.message and "prompt-completion: prompt, completion" in e.value.message
     assert "which answer to learn is a choice" in e.value.message and "train DPO, ORPO, SimPO or KTO" in e.value.fix
     sft_for_dpo = ws.root / "incoming" / "sft.jsonl"
     task.write_jsonl(task.sft_conversations(20), sft_for_dpo)
     with pytest.raises(BadInput, match="preference: prompt, chosen, rejected"):
-        prepare_dataset(context(ws), str(write_brief(ws, "dpo")), str(sft_for_dpo))
+        call_tool("prepare_dataset", context(ws), str(write_brief(ws, "dpo")), str(sft_for_dpo))
     assert nothing_in_datasets(ws) or [p.name for p in ws.datasets_dir.iterdir()] == [Path(res.dataset_dir).name]
-
-
-def job_params(tmp_path, src: Path, method: str, model: Path, seq: int = 64, packing: bool = False) -> dict:
-    from finetune_mcp.skills import load_skills
-
-    sk = load_skills()
-    return {"name": "t", "source": {"kind": "path", "path": str(src)}, "model_path": str(model), "method": method,
-            "max_seq_length": seq, "packing": packing, "eval_fraction": 0.1, "seed": 0, "out_dir": str(tmp_path / "out"),
-            "tables": {t: sk.table("dataset-curation", t).model_dump(mode="json") for t in ("formats", "validation", "collapse")}}
 
 
 def test_kto_grpo_and_text_prompt_completion_in_the_job(tmp_path, tiny_model_dir):
@@ -300,7 +255,7 @@ def test_kto_grpo_and_text_prompt_completion_in_the_job(tmp_path, tiny_model_dir
 
     # Standard (text) prompt/completion: TRL appends EOS to the completion, and only the completion is trained.
     text_rows = [{"prompt": f"Q: {q}\nA:", "completion": f" {a}"} for q, a in
-                 [(m["messages"][0]["content"], m["messages"][1]["content"]) for m in map(json.loads, (FIX / "too-long.jsonl").read_text().splitlines()[:20])]]
+                 [(m["messages"][0]["content"], m["messages"][1]["content"]) for m in map(json.loads, (DATASET_FIXTURES / "too-long.jsonl").read_text().splitlines()[:20])]]
     task.write_jsonl(text_rows, tmp_path / "text.jsonl")
     r = prepare(job_params(tmp_path, tmp_path / "text.jsonl", "sft-lora", tiny_model_dir, seq=128, packing=True))
     assert r["ok"] and r["trainer_settings"]["completion_only_loss"] is True and r["trainer_settings"]["assistant_only_loss"] is False
@@ -310,11 +265,11 @@ def test_kto_grpo_and_text_prompt_completion_in_the_job(tmp_path, tiny_model_dir
 
 
 def test_vision_sets_need_a_vision_language_model(tmp_path, tiny_model_dir):
-    from finetune_mcp.jobs._proto import JobError
+    from finetune_mcp.common.proto import JobError
     from finetune_mcp.jobs.prepare_data import prepare
 
     src = tmp_path / "vis"
-    shutil.copytree(FIX / "image-missing", src)
+    shutil.copytree(DATASET_FIXTURES / "image-missing", src)
     rows = [json.loads(x) for x in (src / "data.jsonl").read_text().splitlines()]
     rows[2]["images"] = ["images/02-blue.png"]
     task.write_jsonl(rows, src / "data.jsonl")
@@ -349,12 +304,12 @@ def test_hf_dataset_from_the_local_cache_only(ws, monkeypatch, tmp_path):
     task.write_jsonl(rows, repo / "snapshots" / "abc123" / "data" / "train.jsonl")
     monkeypatch.setenv("HF_HOME", str(hf_home))
     brief = str(write_brief(ws, "sft-lora"))
-    r = prepare_dataset(context(ws), brief, "acme/tiny-sft", dataset_name="hub")
+    r = call_tool("prepare_dataset", context(ws), brief, "acme/tiny-sft", dataset_name="hub")
     assert r.complete, (r.summary, [c for c in r.checklist if not c.ok])
     assert r.counts["train"] + r.counts["eval"] == 40
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline by the user's choice: the worker must not try the hub
     with pytest.raises(NotFound) as e:
-        prepare_dataset(context(ws), brief, "acme/not-cached")
+        call_tool("prepare_dataset", context(ws), brief, "acme/not-cached")
     assert "not in the local HF cache" in e.value.message
     assert "python -c \"import datasets; datasets.load_dataset('acme/not-cached')\"" in e.value.fix
 
@@ -362,15 +317,15 @@ def test_hf_dataset_from_the_local_cache_only(ws, monkeypatch, tmp_path):
 def test_arguments_are_checked(ws):
     brief = str(write_brief(ws, "sft-lora"))
     with pytest.raises(BadInput, match="eval_fraction"):
-        prepare_dataset(context(ws), brief, str(FIX / "sharegpt.json"), eval_fraction=0.7)
+        call_tool("prepare_dataset", context(ws), brief, str(DATASET_FIXTURES / "sharegpt.json"), eval_fraction=0.7)
     with pytest.raises(BadInput, match="invalid dataset_name"):
-        prepare_dataset(context(ws), brief, str(FIX / "sharegpt.json"), dataset_name="../escape")
+        call_tool("prepare_dataset", context(ws), brief, str(DATASET_FIXTURES / "sharegpt.json"), dataset_name="../escape")
     with pytest.raises(NotFound, match="not found"):
-        prepare_dataset(context(ws), brief, "incoming/nothing-here.jsonl")
+        call_tool("prepare_dataset", context(ws), brief, "incoming/nothing-here.jsonl")
     bad_brief = ws.root / "briefs" / "bad.md"
     bad_brief.write_text(task.sample_brief("sft-lora").replace("SFT-LoRA", "PPO"))
     with pytest.raises(BadInput, match="## Chosen Method: unknown method 'PPO'"):
-        prepare_dataset(context(ws), str(bad_brief), str(FIX / "sharegpt.json"))
+        call_tool("prepare_dataset", context(ws), str(bad_brief), str(DATASET_FIXTURES / "sharegpt.json"))
     assert nothing_in_datasets(ws)
 
 

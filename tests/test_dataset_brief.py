@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from finetune_mcp.embedded import task
-from finetune_mcp.errors import BadInput, NotFound
-from finetune_mcp.phases.brief import METHODS, canonical_method, load_brief, load_experiment_brief, parse_brief
+from finetune_mcp.common import task
+from finetune_mcp.common.errors import BadInput, NotFound
+from finetune_mcp.domain.brief import METHODS, canonical_method, load_brief, load_experiment_brief, parse_brief
 from finetune_mcp.workspace import Workspace
 
 GOOD = """\

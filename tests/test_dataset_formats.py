@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp.jobs import _convert as C, _records as R
-from finetune_mcp.jobs._proto import JobError
+from finetune_mcp.common import convert as C
+from finetune_mcp.common import records as R
+from finetune_mcp.common.proto import JobError
 from finetune_mcp.skills import load_skills
 
 FMT = Path(__file__).parent / "fixtures" / "datasets" / "formats"
@@ -204,7 +205,7 @@ def test_every_assistant_turn_weighted_0_trains_nothing(tables, tmp_path):
 
 
 def test_shared_phrase_names_what_repeats():
-    from finetune_mcp.jobs.prepare_data import shared_phrase
+    from finetune_mcp.jobs.collapse_guard import shared_phrase
 
     texts = [f"Hello! I am Ada, an AI assistant developed by Example Labs. Ask me about {t}." for t in ("cats", "maps", "tea", "rain")]
     texts += ["Something else entirely.", "Another answer here."]

@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 from conftest import REPO, mcp_session
-from finetune_mcp.embedded import task
-from finetune_mcp.phases.brief import example_brief, parse_brief
+from finetune_mcp.common import task
+from finetune_mcp.domain.brief import example_brief, parse_brief
 from finetune_mcp.skills import load_skills
 
 FIX = Path(__file__).parent / "fixtures" / "datasets"

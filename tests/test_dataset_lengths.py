@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp.embedded import task
-from finetune_mcp.phases.dataset import prepare_dataset
-from test_dataset import FIX, context, nothing_in_datasets, source_lines, write_brief, ws  # noqa: F401  (ws is a fixture)
+from conftest import DATASET_FIXTURES, call_tool, context, job_params, nothing_in_datasets, source_lines, write_brief
+
+from finetune_mcp.common import task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,8 @@ def sha(p: Path) -> str:
 
 
 def test_long_records_are_dropped_by_default_counted_and_rebuilt_by_prepare_py(ws, tmp_path):
-    src = FIX / "too-long.jsonl"
-    res = prepare_dataset(context(ws), str(write_brief(ws, "sft-lora", seq=64)), str(src))
+    src = DATASET_FIXTURES / "too-long.jsonl"
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora", seq=64)), str(src))
     assert res.complete, res.summary
     lr = res.transformations["long_records"]
     # Lines 21-23 run far past 64 tokens (fixtures README); they, and only they, are left out.
@@ -66,12 +66,12 @@ def test_long_records_are_dropped_by_default_counted_and_rebuilt_by_prepare_py(w
 
 
 def test_refuse_and_too_few_left(ws):
-    res = prepare_dataset(context(ws), str(write_brief(ws, "sft-lora", seq=64, extra="long_records: refuse")), str(FIX / "too-long.jsonl"))
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora", seq=64, extra="long_records: refuse")), str(DATASET_FIXTURES / "too-long.jsonl"))
     assert not res.complete and nothing_in_datasets(ws)
     assert sorted(p.line for p in res.problems if p.code == "too-long" and p.severity == "error") == [21, 22, 23]
 
     # At 20 tokens almost nothing fits: dropping would leave too few to train on, and the error says what to set.
-    res = prepare_dataset(context(ws), str(write_brief(ws, "sft-lora", seq=20)), str(FIX / "too-long.jsonl"))
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora", seq=20)), str(DATASET_FIXTURES / "too-long.jsonl"))
     err = next(p for p in res.problems if p.code == "too-few-records")
     assert not res.complete and nothing_in_datasets(ws)
     assert "fit max_seq_length 20 once the" in err.message and "`long_records: truncate`" in err.message
@@ -79,8 +79,8 @@ def test_refuse_and_too_few_left(ws):
 
 
 def test_truncate_cuts_conversations_in_the_trainer_and_drops_what_has_no_answer_left(ws):
-    src = FIX / "no-trained-tokens.jsonl"  # line 12: the question alone fills 64 tokens
-    res = prepare_dataset(context(ws), str(write_brief(ws, "sft-lora", seq=64, extra="long_records: truncate")), str(src))
+    src = DATASET_FIXTURES / "no-trained-tokens.jsonl"  # line 12: the question alone fills 64 tokens
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora", seq=64, extra="long_records: truncate")), str(src))
     assert res.complete, res.summary
     lr = res.transformations["long_records"]
     assert [d["where"] for d in lr["dropped"]] == ["no-trained-tokens.jsonl:12"]
@@ -90,8 +90,8 @@ def test_truncate_cuts_conversations_in_the_trainer_and_drops_what_has_no_answer
 
 
 def test_exact_duplicates_are_removed_with_a_warning_unless_a_synthetic_set_collapses(ws):
-    src = FIX / "exact-duplicates.jsonl"  # lines 21-24 repeat lines 1-4
-    res = prepare_dataset(context(ws), str(write_brief(ws, "sft-lora")), str(src))
+    src = DATASET_FIXTURES / "exact-duplicates.jsonl"  # lines 21-24 repeat lines 1-4
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora")), str(src))
     assert res.complete, res.summary
     dups = res.transformations["exact_duplicates"]
     assert [(d["where"], d["same_as"]) for d in dups] == [(f"exact-duplicates.jsonl:{20 + n}", f"exact-duplicates.jsonl:{n}") for n in (1, 2, 3, 4)]
@@ -100,7 +100,7 @@ def test_exact_duplicates_are_removed_with_a_warning_unless_a_synthetic_set_coll
     assert res.counts["dropped_exact_duplicates"] == 4 and len(written(res)) == 20
     assert "- Exact duplicates removed: 4: exact-duplicates.jsonl:21 (same as exact-duplicates.jsonl:1)" in card(res)
     # The same copies in a set the brief calls synthetic: the generator collapse the guard exists for.
-    res = prepare_dataset(context(ws), str(write_brief(ws, "sft-lora", extra="provenance: synthetic")), str(src))
+    res = call_tool("prepare_dataset", context(ws), str(write_brief(ws, "sft-lora", extra="provenance: synthetic")), str(src))
     err = next(p for p in res.problems if p.code == "exact-duplicate" and p.severity == "error")
     assert not res.complete and "in a synthetic set" in err.message and "provenance: curated" in err.message
 
@@ -120,7 +120,6 @@ def test_preference_truncation_keeps_the_prompts_end_and_a_trained_answer(tmp_pa
     """DPO pairs with long prompts (plain text and conversational): each kept pair's prompt is the end of the original,
     its answers are as written, and both answers keep trained tokens within max_seq_length."""
     from finetune_mcp.jobs.prepare_data import Templater, infer_seqlen, prepare
-    from test_dataset import job_params
 
     pairs = task.preference_pairs(40)
     rows = []

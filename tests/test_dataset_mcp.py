@@ -7,7 +7,7 @@ import shutil
 import anyio
 
 from conftest import mcp_session
-from finetune_mcp.embedded import task
+from finetune_mcp.common import task
 from finetune_mcp.workspace import Workspace
 
 

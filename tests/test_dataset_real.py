@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from conftest import link_model, mcp_session
-from finetune_mcp.embedded import task
+from finetune_mcp.common import task
 
 REAL = Path(__file__).parent / "fixtures" / "datasets" / "real"
 REPO = Path(__file__).resolve().parents[1]

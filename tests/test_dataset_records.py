@@ -8,14 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from conftest import call_tool
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.embedded import task
-from finetune_mcp.errors import FtError
-from finetune_mcp.jobs import _records as R
-from finetune_mcp.jobs._proto import JobError
-from finetune_mcp.phases.dataset import prepare_dataset
+from finetune_mcp.common import task
+from finetune_mcp.common.errors import FtError
+from finetune_mcp.common import records as R
+from finetune_mcp.common.proto import JobError
 from finetune_mcp.schemas import PrepareDatasetResult
 from finetune_mcp.skills import load_skills
 from finetune_mcp.workspace import Workspace
@@ -91,7 +92,7 @@ def test_conversions_are_lossless(tmp_path, tables):
 def test_every_problem_code_is_stated_in_the_skill(tables):
     """A code the tool can raise but the skill does not explain would be a threshold that lives in code."""
     codes = set()
-    for f in ("jobs/_records.py", "jobs/_convert.py", "jobs/prepare_data.py", "phases/dataset.py"):
+    for f in ("common/records.py", "common/convert.py", "jobs/prepare_data.py", "phases/prepare_dataset.py", "domain/sources.py", "domain/dataset_docs.py"):
         tree = ast.parse((PKG / f).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("error", "warn", "err") and node.args:
@@ -107,8 +108,8 @@ def test_every_problem_code_is_stated_in_the_skill(tables):
 
 
 def test_every_conversion_in_the_skill_has_code_and_every_format_a_validator(tables):
-    src = (PKG / "jobs" / "_records.py").read_text()
-    conv_src = (PKG / "jobs" / "_convert.py").read_text()
+    src = (PKG / "common" / "records.py").read_text()
+    conv_src = (PKG / "common" / "convert.py").read_text()
     for conv in tables["formats"]["conversions"]:
         assert f'"{conv["id"]}"' in conv_src
     for fmt in tables["formats"]["formats"]:
@@ -175,7 +176,7 @@ def test_fuzz_the_tool_only_returns_structured_results_or_errors(fuzz_ws, data):
     src.write_bytes(data)
     pc = PhaseContext.for_role("training-engineer", ws)
     try:
-        res = prepare_dataset(pc, str(ws.root / "briefs" / "sft.md"), str(src))
+        res = call_tool("prepare_dataset", pc, str(ws.root / "briefs" / "sft.md"), str(src))
     except FtError as e:
         assert e.message and type(e) is not FtError
         res = None

@@ -30,7 +30,7 @@ def test_readme_names_the_ci_test_command():
 
 def test_readme_shows_the_complete_example_brief():
     """The README's brief is the shipped example, parses, and names every value the parser accepts."""
-    from finetune_mcp.phases.brief import (DEPLOY_FORMATS, FORMATS, METHOD_LABELS, PLACEHOLDER_POLICIES, PROVENANCES, RUNTIMES, TRACKERS,
+    from finetune_mcp.domain.brief import (DEPLOY_FORMATS, FORMATS, METHOD_LABELS, PLACEHOLDER_POLICIES, PROVENANCES, RUNTIMES, TRACKERS,
                                            example_brief, parse_brief)
     from finetune_mcp.skills import load_skills
 

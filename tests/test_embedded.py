@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from finetune_mcp import models
-from finetune_mcp.embedded import task
-from finetune_mcp.errors import BadInput, NotFound
-from finetune_mcp.phases.brief import METHODS, parse_brief
+from finetune_mcp.common import task
+from finetune_mcp.common.errors import BadInput, NotFound
+from finetune_mcp.domain.brief import METHODS, parse_brief
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -65,7 +65,7 @@ def test_build_is_idempotent_and_replaces_another_seed(tmp_path, second_build):
 
 
 def test_build_refuses_a_folder_it_did_not_write(tmp_path):
-    from finetune_mcp.jobs._proto import JobError
+    from finetune_mcp.common.proto import JobError
     from finetune_mcp.jobs.build_tiny_model import build
 
     target = tmp_path / "finetune-mcp-tiny"

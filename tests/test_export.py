@@ -2,7 +2,7 @@
 rejecting verdicts, the Format Map choice, and real exports with their smoke tests — merged 16-bit in
 transformers, GGUF in llama.cpp (marker llamacpp), vLLM reported as unable to run without a GPU.
 
-The workspace is test_gate's world: runs A and B promoted by the eval role's server, U rejected.
+The workspace is test_gate's world (conftest.build_world): runs A and B promoted by the eval role's server, U rejected.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from conftest import mcp_session
+from conftest import EXP, RUN_A, RUN_B, RUN_U, build_world, clone_run, gate_call, mcp_session, refused
 from finetune_mcp import signing
 from finetune_mcp.digest import folder_digest
-from finetune_mcp.embedded import task
-from test_gate import EXP, RUN_A, RUN_B, RUN_U, build_world, call, clone_run, refused
+from finetune_mcp.common import task
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +120,7 @@ def test_export_refuses_every_verdict_but_a_valid_promote(world, monkeypatch):
             text = await refused(s, "export", export_args(none, "merged-16bit"))
             assert "no verdict" in text
             # REJECT: passed along, nothing exported, no retraining suggested by export itself
-            rej = await call(s, "export", export_args(RUN_U, "merged-16bit"))
+            rej = await gate_call(s, "export", export_args(RUN_U, "merged-16bit"))
             assert rej["exported"] is False and rej["verdict"] == "REJECT"
             assert rej["top_remediation"] == "train the adapter: it is still at its initialisation"
             assert "task accuracy 0.0 < 0.8" in rej["evidence"]
@@ -146,7 +145,7 @@ def test_merged_16bit_export_reproduces_the_goldens_in_transformers(world, monke
     try:
         async def main():
             async with mcp_session("training-engineer") as s:
-                return await call(s, "export", export_args(RUN_A))  # format and runtime from the brief
+                return await gate_call(s, "export", export_args(RUN_A))  # format and runtime from the brief
 
         res = anyio.run(main)
     finally:
@@ -227,7 +226,7 @@ def test_vllm_export_is_not_done_without_a_gpu(world, monkeypatch):
 
     async def main():
         async with mcp_session("training-engineer") as s:
-            return await call(s, "export", export_args(RUN_A, "lora", "vllm"))
+            return await gate_call(s, "export", export_args(RUN_A, "lora", "vllm"))
 
     res = anyio.run(main)
     assert res["exported"] is False and "NOT done" in res["summary"]
@@ -252,7 +251,7 @@ def _llama_cpp_ready(ws) -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (pip install -e .[export]); GGUF export cannot be smoke-tested"
     from finetune_mcp.context import PhaseContext
-    from finetune_mcp.errors import FtError
+    from finetune_mcp.common.errors import FtError
     from finetune_mcp.phases.export import converter_path
 
     try:
@@ -271,8 +270,8 @@ def test_gguf_exports_smoke_tested_in_llama_cpp(world, monkeypatch):
 
     async def main():
         async with mcp_session("training-engineer") as s:
-            q8 = await call(s, "export", export_args(RUN_A, "gguf-q8_0", "llama.cpp"))
-            ol = await call(s, "export", export_args(RUN_A, None, "ollama"))  # Format Map default for Ollama: q4_k_m
+            q8 = await gate_call(s, "export", export_args(RUN_A, "gguf-q8_0", "llama.cpp"))
+            ol = await gate_call(s, "export", export_args(RUN_A, None, "ollama"))  # Format Map default for Ollama: q4_k_m
             return q8, ol
 
     q8, ol = anyio.run(main)

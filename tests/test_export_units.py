@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.embedded import task
-from finetune_mcp.errors import BadInput, Refused
-from finetune_mcp.phases.brief import parse_brief
+from finetune_mcp.common import task
+from finetune_mcp.common.errors import BadInput, Refused
+from finetune_mcp.domain.brief import parse_brief
 from finetune_mcp.phases.export import choose, converter_path
 
 

@@ -8,7 +8,8 @@ The runs here carry real adapters: a short real PEFT LoRA training of the embedd
 the repeat-words task (seconds on a CPU), and an untrained adapter as PEFT initialises it (LoRA B=0,
 so it answers like the base model). They sit in the run-directory layout launch_run produces
 (config.yaml, training-brief.md, adapter/ + DIGEST); the end-to-end path through launch_run and the
-generated train.py is the demo's (tests/test_demo.py). test_export.py reuses the world built here.
+generated train.py is the demo's (tests/test_demo.py). conftest.build_world builds this world;
+test_export.py reuses it.
 """
 
 from __future__ import annotations
@@ -18,216 +19,18 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import anyio
 import pytest
-import yaml
 
-from conftest import mcp_session
-from finetune_mcp.embedded import task
-from finetune_mcp.phases.gate import read_eval_result
-from finetune_mcp.workspace import Workspace, commit, ensure_repo
+from conftest import EVAL_YAML, EXP, RUN_A, RUN_U, World, build_world, clone_run, gate_call, mcp_session, refused
+from finetune_mcp.common import task
+from finetune_mcp.domain.verdicts import read_eval_result
+from finetune_mcp.workspace import Workspace
 
-EXP = "finetune-mcp-tiny-SFT-LoRA-repeat-words"
-RUN_A, RUN_B, RUN_U = f"{EXP}/20260101-0900-good", f"{EXP}/20260101-0930-good2", f"{EXP}/20260101-1000-untrained"
+# The tools only the eval role has (conftest.EVAL_TOOLS is the eval role's whole list, shared ones included).
 EVAL_TOOLS = {"evaluate_checkpoint", "record_verdict", "write_eval_file"}
-
-TRAIN_SCRIPT = r'''
-import json, sys
-from pathlib import Path
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from peft import LoraConfig, get_peft_model
-from finetune_mcp.embedded import task
-from finetune_mcp.digest import folder_digest
-
-p = json.loads(sys.argv[1])
-torch.set_num_threads(1)
-tok = AutoTokenizer.from_pretrained(p["model_dir"])
-result = {}
-for out, steps in p["adapters"]:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(p["model_dir"], dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
-                                             modules_to_save=["embed_tokens", "lm_head"], task_type="CAUSAL_LM"))
-    bs = 16
-    enc = []
-    for row in task.sft_conversations(max(steps, 1) * bs, seed=0):
-        prompt = tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False)
-        pi = tok(prompt, add_special_tokens=False)["input_ids"]
-        ci = tok(row["messages"][1]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        enc.append((pi + ci, [-100] * len(pi) + ci))
-    opt = torch.optim.AdamW([x for x in model.parameters() if x.requires_grad], lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / max(steps, 1))
-    model.train()
-    loss = None
-    for s in range(steps):
-        batch = enc[s * bs:(s + 1) * bs]
-        n = max(len(a) for a, _ in batch)
-        ids = torch.tensor([a + [tok.pad_token_id] * (n - len(a)) for a, _ in batch])
-        lab = torch.tensor([b + [-100] * (n - len(b)) for _, b in batch])
-        att = torch.tensor([[1] * len(a) + [0] * (n - len(a)) for a, _ in batch])
-        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
-        loss.backward(); opt.step(); sched.step(); opt.zero_grad()
-    model.save_pretrained(out)
-    Path(out, "DIGEST").write_text(folder_digest(Path(out)) + "\n")
-    result[out] = float(loss.detach()) if loss is not None else None
-print(json.dumps(result))
-'''
-
-
-def train_adapters(model_dir: Path, adapters: list[tuple[Path, int]]) -> dict:
-    """Real PEFT LoRA trainings (steps=0: the adapter as PEFT initialises it), in one child process."""
-    params = {"model_dir": str(model_dir), "adapters": [(str(o), n) for o, n in adapters]}
-    p = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, json.dumps(params)],
-                       capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def make_run(ws: Workspace, run_id: str, adapter_src: Path, model_dir: Path) -> Path:
-    """A finished run as launch_run + train.py leave it (the parts the gate and export read)."""
-    r = ws.output_root / run_id
-    r.mkdir(parents=True)
-    shutil.copytree(adapter_src, r / "adapter")
-    e = ws.experiments_dir / EXP
-    ds = ws.datasets_dir / EXP
-    (r / "config.yaml").write_text(yaml.safe_dump({
-        "experiment": EXP, "method": "sft-lora",
-        "model": {"name": "finetune-mcp-tiny", "path": str(model_dir), "embedded": True},
-        "data": {"dir": str(ds), "train": "train.jsonl", "eval": "eval.jsonl", "format": "messages"},
-        "run": {"run_id": run_id.split("/")[1], "run_dir": str(r), "launcher": "local"},
-    }))
-    shutil.copyfile(e / "training-brief.md", r / "training-brief.md")
-    (r / "exit.json").write_text(json.dumps({"returncode": 0, "signal": None}))
-    return r
-
-
-def clone_run(ws: Workspace, src_id: str, dst_id: str) -> Path:
-    """Another run directory with the same files (a verdict copied along with them)."""
-    dst = ws.output_root / dst_id
-    shutil.copytree(ws.output_root / src_id, dst)
-    return dst
-
-
-# Thresholds of the world's suite. The embedded model is random-initialised and has no general ability to
-# lose, and its adapters train embed_tokens/lm_head, so its drift bars are loose; a real model's are not.
-EVAL_YAML = "thresholds: {max_kl: 4.0, max_perplexity_ratio: 3.0}\n"
-
-
-def suite_files(n: int = 20) -> dict[str, str]:
-    """The task prompts, most under the suite default (exact), a few under each other text scorer."""
-    items = task.eval_suite(n, seed=3)
-    rows = []
-    for i, it in enumerate(items):
-        words = it["expected"].split()
-        row = dict(it)
-        if i == 12:
-            row.update(scorer="contains", expected=[" ".join(reversed(words)), it["expected"]])  # any accepted answer counts
-        elif i == 13:
-            row.update(scorer="normalized", expected=", ".join(w.upper() for w in words) + ".")
-        elif i == 14:
-            row.update(scorer={"name": "regex", "pattern": r"^\s*(\w+)"}, expected=words[0])
-        elif i == 15:
-            row.update(scorer="first_line")
-        elif i == 16:
-            # two of three words in order: ROUGE-L F = 0.8 against a three-word answer
-            row.update(scorer={"name": "rouge_l", "threshold": 0.75}, expected=f"{words[0]} {words[2]}")
-        elif i == 17:
-            row.update(scorer="contains", expected=" ".join(reversed(words)))  # the right words, the wrong order
-        elif i == 18:
-            row.update(scorer={"name": "rouge_l", "threshold": 0.9}, expected=f"{words[0]} {words[2]}")
-        rows.append(row)
-    return {
-        "prompts.jsonl": "".join(json.dumps(r) + "\n" for r in rows),
-        "goldens.jsonl": "".join(json.dumps({"prompt": i["prompt"]}) + "\n" for i in items[:4]),
-        "drift.jsonl": "".join(json.dumps({"prompt": p}) + "\n" for p in task.drift_prompts()),
-        "eval.yaml": EVAL_YAML,
-    }
-
-
-async def call(s, tool: str, args: dict) -> dict:
-    r = await s.call_tool(tool, args)
-    assert not r.is_error, f"{tool} failed: {r.content[0].text}"
-    return r.structured_content
-
-
-async def refused(s, tool: str, args: dict) -> str:
-    r = await s.call_tool(tool, args)
-    assert r.is_error, f"{tool} should have been refused: {r.structured_content}"
-    return r.content[0].text
-
-
-class World:
-    """One workspace: experiment + brief + prepared eval split, three finished runs, an eval suite,
-    and the eval engineer's verdicts: A and B promoted, U (untrained) rejected."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.evals: dict[str, dict] = {}
-
-    @property
-    def ws(self) -> Workspace:
-        return Workspace.from_env({"DGX_SPARK_ROOT": str(self.root)})
-
-    def use(self, monkeypatch) -> None:
-        monkeypatch.setenv("DGX_SPARK_ROOT", str(self.root))
-        monkeypatch.delenv("OUTPUT_ROOT", raising=False)
-
-    def run_dir(self, run_id: str) -> Path:
-        return self.ws.output_root / run_id
-
-
-_WORLD: World | None = None
-
-
-def build_world(tmp_path_factory, model_dir: Path) -> World:
-    global _WORLD
-    if _WORLD is not None:
-        return _WORLD
-    base = tmp_path_factory.mktemp("gate-world")
-    root = base / "dgx-spark"
-    ws = Workspace.from_env({"DGX_SPARK_ROOT": str(root)})
-    ws.ensure_dirs()
-    ensure_repo(ws.experiments_repo)
-    e = ws.experiments_dir / EXP
-    e.mkdir(parents=True)
-    (e / "training-brief.md").write_text(task.sample_brief("sft-lora"))
-    commit(ws.experiments_repo, [e / "training-brief.md"], "brief")
-    held = task.eval_suite(40, seed=5)
-    task.write_jsonl([{"messages": [{"role": "user", "content": i["prompt"]}, {"role": "assistant", "content": i["expected"]}]} for i in held],
-                     ws.datasets_dir / EXP / "eval.jsonl")
-    # The world's own copy of the base model, so that a test may swap it (adapters record this path).
-    shutil.copytree(model_dir, ws.base_models_dir / "finetune-mcp-tiny")
-    model_dir = ws.base_models_dir / "finetune-mcp-tiny"
-    trained, untrained = base / "adapters" / "trained", base / "adapters" / "untrained"
-    losses = train_adapters(model_dir, [(trained, 300), (untrained, 0)])
-    assert losses[str(trained)] < 0.5, losses
-    make_run(ws, RUN_A, trained, model_dir)
-    make_run(ws, RUN_B, trained, model_dir)
-    make_run(ws, RUN_U, untrained, model_dir)
-
-    world = World(root)
-    env = {"DGX_SPARK_ROOT": str(root)}
-
-    async def eval_engineer():
-        async with mcp_session("eval-engineer", env=env) as s:
-            for name, content in suite_files().items():
-                await call(s, "write_eval_file", {"experiment": EXP, "relpath": name, "content": content})
-            for run_id in (RUN_A, RUN_B, RUN_U):
-                world.evals[run_id] = await call(s, "evaluate_checkpoint", {"run_id": run_id})
-            for run_id in (RUN_A, RUN_B):
-                await call(s, "record_verdict", {"run_id": run_id, "verdict": "PROMOTE",
-                                                 "evidence": f"accuracy {world.evals[run_id]['task_accuracy']} vs base {world.evals[run_id]['base_accuracy']}"})
-            await call(s, "record_verdict", {"run_id": RUN_U, "verdict": "REJECT",
-                                             "evidence": f"task accuracy {world.evals[RUN_U]['task_accuracy']} < 0.8",
-                                             "top_remediation": "train the adapter: it is still at its initialisation"})
-
-    anyio.run(eval_engineer)
-    _WORLD = world
-    return world
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +113,7 @@ def test_side_by_side_report_under_eval_is_written_and_committed(world):
     tracked = subprocess.run(["git", "ls-files", "--error-unmatch", str(path)], cwd=e, capture_output=True, text=True)
     assert tracked.returncode == 0, tracked.stderr
     # the report is not part of the suite: evaluating wrote it without changing what the verdict is bound to
-    from finetune_mcp.phases.gate import load_suite
+    from finetune_mcp.domain.suite import load_suite
 
     assert "reports" not in " ".join(load_suite(e)["files"])
 
@@ -328,13 +131,13 @@ def test_drift_bars_gate_the_promotion(world, monkeypatch):
         async with mcp_session("eval-engineer") as s:
             try:
                 for name, text in bars.items():
-                    await call(s, "write_eval_file", {"experiment": EXP, "relpath": "eval.yaml", "content": text})
-                    ev = await call(s, "evaluate_checkpoint", {"run_id": run_id})
+                    await gate_call(s, "write_eval_file", {"experiment": EXP, "relpath": "eval.yaml", "content": text})
+                    ev = await gate_call(s, "evaluate_checkpoint", {"run_id": run_id})
                     r = await s.call_tool("record_verdict", {"run_id": run_id, "verdict": "PROMOTE", "evidence": f"kl {ev['drift']['kl']}"})
                     report = world.ws.verdict_path(EXP, run_id)
                     seen[name] = (ev, r.is_error, r.content[0].text, report.read_text() if report.is_file() else "")
             finally:  # the world's suite as it was (same bytes, same digest) for the tests after this one
-                await call(s, "write_eval_file", {"experiment": EXP, "relpath": "eval.yaml", "content": EVAL_YAML})
+                await gate_call(s, "write_eval_file", {"experiment": EXP, "relpath": "eval.yaml", "content": EVAL_YAML})
 
     anyio.run(main)
     ev, refused_, text, _ = seen["tight"]
@@ -363,7 +166,7 @@ def test_verdict_is_signed_and_bound_to_run_and_adapter(world):
     assert block["run_id"] == RUN_A and block["verdict"] == "PROMOTE" and block["override"] is None
     # it embeds the signed evaluation, byte for byte the result file, which verifies on its own
     assert block["evaluation"] == json.loads(ws.eval_result_path(EXP, RUN_A).read_text())
-    from finetune_mcp.phases.gate import verify_evaluation
+    from finetune_mcp.domain.verdicts import verify_evaluation
 
     ev = verify_evaluation(block["evaluation"], signing.load_public_key(ws), "evaluation")
     assert ev["run_id"] == RUN_A and ev["adapter_sha256"] == block["adapter_sha256"] and ev["task_accuracy"] == 0.9
@@ -580,8 +383,8 @@ def test_promote_against_a_failed_check_needs_an_override_the_verdict_records(wo
                 text = await refused(s, "record_verdict", {"run_id": RUN_U, "verdict": "REJECT", "evidence": "x", "top_remediation": "y",
                                                            "override_reason": "z"})
                 assert "a REJECT overrides nothing" in text
-                return await call(s, "record_verdict", {"run_id": RUN_U, "verdict": "PROMOTE", "evidence": "accuracy 0.0, promoted anyway",
-                                                        "override_reason": reason})
+                return await gate_call(s, "record_verdict", {"run_id": RUN_U, "verdict": "PROMOTE", "evidence": "accuracy 0.0, promoted anyway",
+                                                             "override_reason": reason})
 
         res = anyio.run(main)
         text = verdict.read_text()
@@ -666,7 +469,7 @@ def test_both_roles_compare_with_the_signed_accuracy(world, monkeypatch):
     async def main():
         for role in ("training-engineer", "eval-engineer"):
             async with mcp_session(role) as s:
-                res = await call(s, "compare_runs", {"experiment": EXP, "runs": [RUN_A, RUN_U], "plot": False})
+                res = await gate_call(s, "compare_runs", {"experiment": EXP, "runs": [RUN_A, RUN_U], "plot": False})
                 seen[role] = {row["run_id"]: row["eval_accuracy"] for row in res["runs"]}
 
     anyio.run(main)

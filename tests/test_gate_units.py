@@ -9,10 +9,12 @@ import threading
 
 import pytest
 
+from conftest import call_tool
+
 from finetune_mcp import signing
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.errors import BadInput, Forbidden, Refused
-from finetune_mcp.phases import gate
+from finetune_mcp.common.errors import BadInput, Forbidden, Refused
+from finetune_mcp.domain import suite as eval_suite, verdicts
 from finetune_mcp.workspace import Workspace
 
 
@@ -69,7 +71,7 @@ def test_no_key_means_no_verdict_was_ever_signed(ws_root):
 def test_training_role_may_not_sign(ws_root):
     pc = PhaseContext.for_role("training-engineer")
     with pytest.raises(Forbidden, match="may not sign"):
-        gate.record_verdict(pc, "e/20260101-0000-a", "PROMOTE", "x")
+        call_tool("record_verdict", pc, "e/20260101-0000-a", "PROMOTE", "x")
 
 
 @pytest.mark.parametrize("name, content, where", [
@@ -95,19 +97,19 @@ def test_training_role_may_not_sign(ws_root):
 ])
 def test_suite_files_are_validated_with_their_place(name, content, where):
     with pytest.raises(BadInput) as e:
-        gate.validate_suite_file(name, content)
+        eval_suite.validate_suite_file(name, content)
     assert e.value.where == where
 
 
 def test_suite_formats_accepted():
-    rows = gate.validate_suite_file("prompts.jsonl", '{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "expected": "x", "id": 1}\n\n')
+    rows = eval_suite.validate_suite_file("prompts.jsonl", '{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "expected": "x", "id": 1}\n\n')
     assert len(rows) == 1
-    assert gate.validate_suite_file("goldens.jsonl", '{"prompt": "p", "output": "o"}\n{"prompt": "q"}\n')[1] == {"prompt": "q"}
-    cfg = gate.validate_suite_file("eval.yaml", "thresholds: {min_accuracy: 0.9, max_drift: null}\nmatch: first_line\ngoldens: 3\n")
+    assert eval_suite.validate_suite_file("goldens.jsonl", '{"prompt": "p", "output": "o"}\n{"prompt": "q"}\n')[1] == {"prompt": "q"}
+    cfg = eval_suite.validate_suite_file("eval.yaml", "thresholds: {min_accuracy: 0.9, max_drift: null}\nmatch: first_line\ngoldens: 3\n")
     assert cfg["match"] == "first_line" and cfg["scorer_spec"].name == "first_line"  # match: the scorer's older name
-    rows = gate.validate_suite_file("prompts.jsonl", '{"prompt": "p", "expected": ["a", "b"], "scorer": {"name": "regex", "pattern": "is (\\\\w+)"}}\n')
+    rows = eval_suite.validate_suite_file("prompts.jsonl", '{"prompt": "p", "expected": ["a", "b"], "scorer": {"name": "regex", "pattern": "is (\\\\w+)"}}\n')
     assert rows[0]["expected"] == ["a", "b"] and rows.lines == [1]
-    assert gate.validate_suite_file("notes.md", "anything") is None
+    assert eval_suite.validate_suite_file("notes.md", "anything") is None
 
 
 def test_suite_default_scorer_is_checked_against_the_prompts_it_will_judge(ws_root):
@@ -115,26 +117,26 @@ def test_suite_default_scorer_is_checked_against_the_prompts_it_will_judge(ws_ro
     ws = Workspace.from_env()
     (ws.experiments_dir / "exp").mkdir(parents=True)
     pc = PhaseContext.for_role("eval-engineer")
-    gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "2+2?", "expected": "4"}\n{"prompt": "Capital?", "expected": "Paris"}\n')
+    call_tool("write_eval_file", pc, "exp", "prompts.jsonl", '{"prompt": "2+2?", "expected": "4"}\n{"prompt": "Capital?", "expected": "Paris"}\n')
     with pytest.raises(BadInput) as e:
-        gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: numeric\n")
+        call_tool("write_eval_file", pc, "exp", "eval.yaml", "scorer: numeric\n")
     assert e.value.where == "eval/prompts.jsonl:2: expected"
     assert not (ws.eval_dir("exp") / "eval.yaml").exists()
     # the same row naming its own scorer is fine, and rows inherit the default's options
-    gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "2+2?", "expected": "4"}\n{"prompt": "Capital?", "expected": "Paris", "scorer": "contains"}\n')
-    gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: {name: numeric, tolerance: 0.5}\nthresholds: {max_kl: 0.2, max_perplexity_ratio: 1.1}\n")
-    suite = gate.load_suite(ws.eval_dir("exp"))
+    call_tool("write_eval_file", pc, "exp", "prompts.jsonl", '{"prompt": "2+2?", "expected": "4"}\n{"prompt": "Capital?", "expected": "Paris", "scorer": "contains"}\n')
+    call_tool("write_eval_file", pc, "exp", "eval.yaml", "scorer: {name: numeric, tolerance: 0.5}\nthresholds: {max_kl: 0.2, max_perplexity_ratio: 1.1}\n")
+    suite = eval_suite.load_suite(ws.eval_dir("exp"))
     assert [s.label() for s in suite["scorers"]] == ["numeric(tolerance=0.5)", "contains"]
     # a line naming the default's scorer without its required option takes the default's; with no such default it is refused
-    gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: {name: regex, pattern: 'is (\\w+)'}\n")
-    gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "Capital?", "expected": "Paris", "scorer": {"name": "regex", "ignore_case": false}}\n')
-    assert gate.load_suite(ws.eval_dir("exp"))["scorers"][0].options == {"pattern": "is (\\w+)", "ignore_case": False}
+    call_tool("write_eval_file", pc, "exp", "eval.yaml", "scorer: {name: regex, pattern: 'is (\\w+)'}\n")
+    call_tool("write_eval_file", pc, "exp", "prompts.jsonl", '{"prompt": "Capital?", "expected": "Paris", "scorer": {"name": "regex", "ignore_case": false}}\n')
+    assert eval_suite.load_suite(ws.eval_dir("exp"))["scorers"][0].options == {"pattern": "is (\\w+)", "ignore_case": False}
     with pytest.raises(BadInput) as e:
-        gate.write_eval_file(pc, "exp", "eval.yaml", "scorer: contains\n")
+        call_tool("write_eval_file", pc, "exp", "eval.yaml", "scorer: contains\n")
     assert e.value.where == "eval/prompts.jsonl:1: scorer.pattern"
     # without drift.jsonl the shipped general prompts serve; the shipped text has its licence beside it
     assert suite["drift_source"] == "shipped general-prompts.jsonl" and len(suite["drift_prompts"]) == 12
-    licence = (gate.GENERAL_TEXT.parent / "general-text.LICENSE.md").read_text()
+    licence = (eval_suite.GENERAL_TEXT.parent / "general-text.LICENSE.md").read_text()
     assert licence.startswith("# general-text.txt: source and licence") and "**Licence: public domain.**" in licence
 
 
@@ -142,19 +144,19 @@ def test_write_eval_file_stays_in_eval_and_leaves_nothing_on_bad_input(ws_root):
     ws = Workspace.from_env()
     (ws.experiments_dir / "exp").mkdir(parents=True)
     pc = PhaseContext.for_role("eval-engineer")
-    res = gate.write_eval_file(pc, "exp", "eval/prompts.jsonl", '{"prompt": "a", "expected": "b"}\n')
+    res = call_tool("write_eval_file", pc, "exp", "eval/prompts.jsonl", '{"prompt": "a", "expected": "b"}\n')
     assert res.path == str((ws.root / "eval" / "exp" / "prompts.jsonl").resolve()) and "1 rows" in res.summary
     with pytest.raises(BadInput):
-        gate.write_eval_file(pc, "exp", "drift.jsonl", "{oops\n")
+        call_tool("write_eval_file", pc, "exp", "drift.jsonl", "{oops\n")
     assert not (ws.eval_dir("exp") / "drift.jsonl").exists()
     assert not list(ws.eval_dir("exp").glob(".*tmp"))
     # reports/, results/ and git's own files are evaluate_checkpoint's and git's, never write_eval_file's
     for rel in ("results/20260101-0000-a.json", "reports/x.md", ".git/config", ".gitignore"):
         with pytest.raises(BadInput, match="is not a suite file"):
-            gate.write_eval_file(pc, "exp", rel, "{}")
+            call_tool("write_eval_file", pc, "exp", rel, "{}")
     (ws.eval_dir("exp") / "out").symlink_to(ws.experiments_dir / "exp")
     with pytest.raises(Forbidden):
-        gate.write_eval_file(pc, "exp", "out/train.py", "x")
+        call_tool("write_eval_file", pc, "exp", "out/train.py", "x")
     assert not (ws.experiments_dir / "exp" / "train.py").exists()
 
 
@@ -168,7 +170,7 @@ def test_suite_is_its_own_repository_outside_the_experiments_one(ws_root):
     ensure_repo(ws.experiments_repo)
     (ws.experiments_dir / "exp").mkdir(parents=True)
     pc = PhaseContext.for_role("eval-engineer")
-    res = gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "b"}\n')
+    res = call_tool("write_eval_file", pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "b"}\n')
     d = ws.eval_dir("exp")
     assert "committed" in res.summary and (d / ".git").is_dir()
     assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(ws.eval_root.stat().st_mode) == 0o711
@@ -190,7 +192,7 @@ def test_legacy_suite_inside_the_experiment_is_refused_with_the_move(ws_root):
     (old / "prompts.jsonl").write_text('{"prompt": "a", "expected": "b"}\n')
     pc = PhaseContext.for_role("eval-engineer")
     with pytest.raises(Refused) as e:
-        gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "c"}\n')
+        call_tool("write_eval_file", pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "c"}\n')
     assert e.value.where == str(old) and "keeps its eval suite inside the experiment folder" in str(e.value)
     new = ws.eval_dir("exp")
     assert f"mkdir -p {new.parent} && mv {old} {new}" in e.value.fix
@@ -198,11 +200,11 @@ def test_legacy_suite_inside_the_experiment_is_refused_with_the_move(ws_root):
     assert (old / "prompts.jsonl").read_text() == '{"prompt": "a", "expected": "b"}\n' and not new.exists()
     (ws.output_root / "exp" / "20260101-0000-a").mkdir(parents=True)
     with pytest.raises(Refused, match="keeps its eval suite inside"):
-        gate.evaluate_checkpoint(pc, "exp/20260101-0000-a")
+        call_tool("evaluate_checkpoint", pc, "exp/20260101-0000-a")
     # the move it names is the fix
     new.parent.mkdir(parents=True, exist_ok=True)
     old.rename(new)
-    assert "1 rows" in gate.write_eval_file(pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "c"}\n').summary
+    assert "1 rows" in call_tool("write_eval_file", pc, "exp", "prompts.jsonl", '{"prompt": "a", "expected": "c"}\n').summary
 
 
 def _result(**over):
@@ -215,17 +217,17 @@ def _result(**over):
 
 
 def test_checks_are_recomputed_from_figures_and_thresholds():
-    assert gate.judge(_result()) == {"min_accuracy": True, "max_kl": True, "max_perplexity_ratio": True, "goldens": True}
+    assert verdicts.judge(_result()) == {"min_accuracy": True, "max_kl": True, "max_perplexity_ratio": True, "goldens": True}
     # a stored "passed" says nothing: only the figures count
     forged = _result(task_accuracy=0.1, passed={"min_accuracy": True, "max_kl": True, "max_perplexity_ratio": True})
-    assert gate.judge(forged)["min_accuracy"] is False
-    assert gate.check_text("min_accuracy", forged) == "min_accuracy (task accuracy 0.1000 < 0.8 from brief ## Evaluation)"
-    assert gate.judge(_result(drift={"kl": 0.31, "perplexity_ratio": float("nan")}))["max_kl"] is False
-    assert gate.judge(_result(drift={"kl": 0.1, "perplexity_ratio": float("nan")}))["max_perplexity_ratio"] is False  # NaN never passes
-    assert gate.judge(_result(eval_loss=None, thresholds={"max_eval_loss": 1.0}))["max_eval_loss"] is False  # no figure, no pass
-    assert gate.judge(_result(goldens=[{"prompt": "p", "output": "x", "golden": "y"}]))["goldens"] is False
+    assert verdicts.judge(forged)["min_accuracy"] is False
+    assert verdicts.check_text("min_accuracy", forged) == "min_accuracy (task accuracy 0.1000 < 0.8 from brief ## Evaluation)"
+    assert verdicts.judge(_result(drift={"kl": 0.31, "perplexity_ratio": float("nan")}))["max_kl"] is False
+    assert verdicts.judge(_result(drift={"kl": 0.1, "perplexity_ratio": float("nan")}))["max_perplexity_ratio"] is False  # NaN never passes
+    assert verdicts.judge(_result(eval_loss=None, thresholds={"max_eval_loss": 1.0}))["max_eval_loss"] is False  # no figure, no pass
+    assert verdicts.judge(_result(goldens=[{"prompt": "p", "output": "x", "golden": "y"}]))["goldens"] is False
     with pytest.raises(Refused, match="unknown threshold 'min_acc'"):
-        gate.judge(_result(thresholds={"min_acc": 0.5}))
+        verdicts.judge(_result(thresholds={"min_acc": 0.5}))
 
 
 def test_signed_eval_result_verifies_only_untouched_and_with_this_key(ws_root):
@@ -235,13 +237,13 @@ def test_signed_eval_result_verifies_only_untouched_and_with_this_key(ws_root):
     key = signing.load_or_create_private_key(ws)
     doc = signing.sign_block(key, {"run_id": "e/20260101-0000-a", **_result()}, signing.EVAL_SCHEMA)
     pub = signing.load_public_key(ws)
-    assert gate.verify_evaluation(json.loads(json.dumps(doc)), pub, "r.json")["task_accuracy"] == 0.9
+    assert verdicts.verify_evaluation(json.loads(json.dumps(doc)), pub, "r.json")["task_accuracy"] == 0.9
     with pytest.raises(signing.BadSignature, match="does not verify: it was written or edited after the eval role signed it"):
-        gate.verify_evaluation({**doc, "task_accuracy": 0.95}, pub, "r.json")
+        verdicts.verify_evaluation({**doc, "task_accuracy": 0.95}, pub, "r.json")
     with pytest.raises(signing.BadSignature, match="not this workspace's eval key"):
-        gate.verify_evaluation(signing.sign_block(Ed25519PrivateKey.generate(), {"x": 1}, signing.EVAL_SCHEMA), pub, "r.json")
+        verdicts.verify_evaluation(signing.sign_block(Ed25519PrivateKey.generate(), {"x": 1}, signing.EVAL_SCHEMA), pub, "r.json")
     # a verdict block is not an evaluation, and the reverse
     with pytest.raises(signing.BadSignature, match="schema 'finetune-mcp/verdict/v1'"):
-        gate.verify_evaluation(signing.sign_block(key, {"x": 1}), pub, "r.json")
+        verdicts.verify_evaluation(signing.sign_block(key, {"x": 1}), pub, "r.json")
     with pytest.raises(signing.BadSignature, match="malformed"):
-        gate.verify_evaluation({k: v for k, v in doc.items() if k != "signature"}, pub, "r.json")
+        verdicts.verify_evaluation({k: v for k, v in doc.items() if k != "signature"}, pub, "r.json")

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from finetune_mcp import telemetry
-from finetune_mcp.embedded import task
+from finetune_mcp.common import task
 from finetune_mcp.worker import child_env, train_python
 
 from conftest import link_model, mcp_session

@@ -196,7 +196,7 @@ def test_dry_run_with_one_training_stage_writes_the_gpu_runs_out_dir(tmp_path):
     _check_run(s, out, "sft-lora-trl", 2)
     assert {st["name"]: st["reason"] for st in s["stages"]}["dpo-trl"] == "not selected (--only)"
     # The recorded observation is what the replay reads, and it describes this machine: no NVML device.
-    from finetune_mcp.phases import preflight as P
+    from finetune_mcp.domain import machine as P
 
     obs = P.load_observation(out / "observation-server.json")
     assert obs["host"]["nvml"]["devices"] == [] and obs["env"]["torch"]

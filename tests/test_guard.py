@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp.errors import BadInput, Forbidden
+from finetune_mcp.common.errors import BadInput, Forbidden
 from finetune_mcp.guard import Guard, glob_match, load_policy
 from finetune_mcp.workspace import Workspace
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, server_command
 from finetune_mcp.app import MIN_TOKEN_CHARS, load_tokens
-from finetune_mcp.errors import BadInput, FtError
+from finetune_mcp.common.errors import BadInput, FtError
 
 SECRET = "s3cret-" + "9f8e7d6c5b4a3f2e1d0c"
 SERVER_SRC = REPO / "server" / "finetune_mcp"
@@ -168,14 +168,14 @@ def _append_many(root: str, run_dir: str, who: str, n: int, via_gate: bool) -> N
     os.environ["DGX_SPARK_ROOT"] = root
     os.environ.pop("OUTPUT_ROOT", None)
     from finetune_mcp.context import PhaseContext
-    from finetune_mcp.phases import gate, run
+    from finetune_mcp.domain import run_facts, run_notes
 
     pc = PhaseContext.for_role("training-engineer")
     for i in range(n):
         if via_gate:
-            gate.append_roadbook(pc, Path(run_dir), f"{who} line {i}")
+            run_facts.append_roadbook(pc, Path(run_dir), f"{who} line {i}")
         else:
-            run._roadbook(pc, Path(run_dir), f"note-{who}", f"{who} line {i}")
+            run_notes.note(pc, Path(run_dir), f"note-{who}", f"{who} line {i}")
 
 
 def test_concurrent_roadbook_writers_lose_no_line(ws_root):

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, server_command
-from test_server import EVAL_TOOLS, TRAINING_TOOLS, http_server  # noqa: F401  (fixture)
+from conftest import EVAL_TOOLS, REPO, TRAINING_TOOLS, server_command
 
 INSPECTOR = REPO / ".inspector" / "node_modules" / ".bin" / "mcp-inspector"
 
@@ -40,7 +39,7 @@ def test_stdio_tools_list_and_call(ws_root, tmp_path):
     assert out["content"][0]["text"].splitlines()[0] == out["structuredContent"]["summary"]
 
 
-def test_http_with_and_without_token(http_server):  # noqa: F811
+def test_http_with_and_without_token(http_server):
     url, _ = http_server
     p = inspector(url, "--transport", "http", "--method", "tools/list", "--header", "Authorization: Bearer tok-eval-0123456789abcdef")
     assert p.returncode == 0, p.stderr

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import mcp_session
-from finetune_mcp.embedded import task
+from finetune_mcp.common import task
 
 BOUND_S = 10.0  # the watchdog reacts at once (a read that returns at EOF); this leaves room for a loaded box
 ROWS = int(os.environ.get("FINETUNE_MCP_TEST_LIFETIME_ROWS", "50000"))

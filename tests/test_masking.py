@@ -1,4 +1,4 @@
-"""Assistant-only masking on real chat templates (jobs/masking.py): the template matrix on SmolLM2's real tokenizer.
+"""Assistant-only masking on real chat templates (common/masking.py): the template matrix on SmolLM2's real tokenizer.
 
 The templates are real ones copied from where each family's model authors publish them
 (tests/fixtures/chat-templates/SOURCES.md names each source). Each runs on SmolLM2-135M-Instruct's
@@ -20,7 +20,7 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
-from finetune_mcp.jobs import masking as M  # noqa: E402
+from finetune_mcp.common import masking as M  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures" / "chat-templates"
 CATALOG = yaml.safe_load((FIX / "templates.yaml").read_text())["templates"]

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import link_model, server_command
 from finetune_mcp import models
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import BadInput, NotFound
 
 
 def _cli(args: list[str], root: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -54,7 +54,7 @@ def test_add_gguf_writes_a_trainable_folder_with_provenance(smollm2_dir):
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["model_type"] == "llama"
     # The exact count from the safetensors headers equals the model's own count.
-    from finetune_mcp.phases.memory import safetensors_param_count
+    from finetune_mcp.common.shapes import safetensors_param_count
 
     assert safetensors_param_count(smollm2_dir) == prov["parameters"]
     assert "im_start" in (smollm2_dir / "chat_template.jinja").read_text()

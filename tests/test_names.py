@@ -8,10 +8,11 @@ import pytest
 
 from conftest import mcp_session
 from finetune_mcp import models, workspace
-from finetune_mcp.embedded import task
-from finetune_mcp.errors import BadInput
+from finetune_mcp.common import task
+from finetune_mcp.common.errors import BadInput
 from finetune_mcp.launchers import slurm
-from finetune_mcp.phases import dataset
+from finetune_mcp.domain import sources
+from finetune_mcp.phases import prepare_dataset as dataset
 
 # Every name pattern, with a name it takes.
 PATTERNS = [
@@ -19,8 +20,8 @@ PATTERNS = [
     (workspace.RUN_ID_RE, "20260101-0000-r16"),
     (workspace.EXPERIMENT_RE, "finetune-mcp-tiny-SFT-LoRA-repeat-words"),
     (dataset._NAME, "my.data_set-1"),
-    (dataset._HF_ID, "org/name:config:train"),
-    (dataset._HF_NAME, "org/name"),
+    (sources._HF_ID, "org/name:config:train"),
+    (sources._HF_NAME, "org/name"),
     (models._HF_ID_RE, "Qwen/Qwen2.5-0.5B-Instruct"),
     (slurm._NAME_RE, "gpu-a100"),
     (slurm._TIME_RE, "1-02:30:00"),

@@ -28,7 +28,7 @@ import anyio
 import pytest
 
 from conftest import REPO, server_command
-from finetune_mcp.embedded import task
+from finetune_mcp.common import task
 from finetune_mcp.osroles import protected_hardlinks
 from finetune_mcp.workspace import Workspace
 
@@ -152,7 +152,8 @@ def test_setup_roles_refuses_without_root_and_names_the_rights(tmp_path):
 def test_atomic_writes_take_the_umask_modes_not_mkstemps(tmp_path):
     """What the training server writes (config.yaml, briefs) must be readable by an eval user: a plain open()'s
     mode, never mkstemp's 0600; an explicit mode still wins."""
-    from finetune_mcp.workspace import atomic_write_text, process_umask
+    from finetune_mcp.common.files import process_umask
+    from finetune_mcp.workspace import atomic_write_text
 
     old = os.umask(0o027)
     try:

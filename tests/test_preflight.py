@@ -17,13 +17,15 @@ import pytest
 
 from finetune_mcp import telemetry
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import BadInput, NotFound
 from finetune_mcp.jobs import probe_env
-from finetune_mcp.phases import memory
-from finetune_mcp.phases import preflight as P
+from finetune_mcp.domain import memory
+from finetune_mcp.domain import machine as P
+from finetune_mcp.domain import recipes
 from finetune_mcp.skills import load_skills
 from finetune_mcp.workspace import Workspace
 
+from conftest import call_tool  # noqa: E402
 from conftest import mcp_session
 
 FIX = Path(__file__).parent / "fixtures"
@@ -231,10 +233,10 @@ def test_time_is_read_at_the_average_padded_length(skills, tmp_path):
     t = P.evaluate(o, {**TINY_BRIEF, "time_budget_s": None}, skills, {**SHAPE, "time_tokens_per_sequence": 120})["time_estimate"]
     assert (t["tokens_per_sequence"], t["s_per_micro_step"], t["s_per_step"]) == (120, 1.5, 6.0) and "timed at 2 x 120" in t["how"]
     # 8 x 200 = 1600 row-tokens: on the line through (758, 3.5 s) and (240, 1.5 s)
-    s8, how = P.seconds_per_micro_step(probe, 8, 200)
+    s8, how = recipes.seconds_per_micro_step(probe, 8, 200)
     assert abs(s8 - (1.5 + (1600 - 240) * 2.0 / 518)) < 1e-9 and "line through" in how
     # one timed shape (a recorded observation from before): proportional to the tokens
-    assert P.seconds_per_micro_step(PROBE, 2, 190) == (3.5 * 380 / 758, "scaled by tokens from the timed 2 x 379")
+    assert recipes.seconds_per_micro_step(PROBE, 2, 190) == (3.5 * 380 / 758, "scaled by tokens from the timed 2 x 379")
 
 
 def test_average_padded_length_from_the_length_quantiles():
@@ -242,7 +244,7 @@ def test_average_padded_length_from_the_length_quantiles():
     import random
 
     from finetune_mcp.jobs.prepare_data import _stats
-    from finetune_mcp.phases.config import expected_padded_tokens
+    from finetune_mcp.domain.recipes import expected_padded_tokens
 
     rng = random.Random(7)
     # a chat set's shape: most rows short, a long tail (SmolLM2 identity rows: p50 51, p90 100, max 195)
@@ -406,7 +408,7 @@ def test_real_probe_here_reports_cpu_and_records_a_replayable_observation(ws_roo
     pc = _experiment(ws_root)
     record = tmp_path / "recorded.json"
     monkeypatch.setenv(P.RECORD_ENV, str(record))
-    res = P.preflight(pc, EXPERIMENT)
+    res = call_tool("preflight", pc, EXPERIMENT)
 
     assert res.platform == "cpu"
     assert [c.id for c in res.checks] == ["N3", "N4", "N6", "N7", "C1", "T1"]
@@ -430,7 +432,7 @@ def test_real_probe_here_reports_cpu_and_records_a_replayable_observation(ws_roo
     assert set(recorded["env"]) == set(fixture["env"]) and set(recorded["env"]["torch"]) == set(fixture["env"]["torch"])
     monkeypatch.delenv(P.RECORD_ENV)
     monkeypatch.setenv(P.REPLAY_ENV, str(record))
-    again = P.preflight(pc, EXPERIMENT)
+    again = call_tool("preflight", pc, EXPERIMENT)
     assert [(c.id, c.status, c.observed) for c in again.checks] == [(c.id, c.status, c.observed) for c in res.checks]
     assert json.loads(Path(again.env_report).read_text())["replayed_from"] == str(record)
 
@@ -438,16 +440,16 @@ def test_real_probe_here_reports_cpu_and_records_a_replayable_observation(ws_roo
 def test_a_bad_replay_leaves_the_previous_report_intact(ws_root, tmp_path, monkeypatch):
     pc = _experiment(ws_root)
     monkeypatch.setenv(P.REPLAY_ENV, str(OBS / "t4.json"))
-    first = P.preflight(pc, EXPERIMENT)
+    first = call_tool("preflight", pc, EXPERIMENT)
     before = Path(first.env_report).read_bytes()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "something-else", "host": {}, "env": {}}))
     monkeypatch.setenv(P.REPLAY_ENV, str(bad))
     with pytest.raises(BadInput, match="not a preflight observation"):
-        P.preflight(pc, EXPERIMENT)
+        call_tool("preflight", pc, EXPERIMENT)
     monkeypatch.setenv(P.REPLAY_ENV, str(tmp_path / "absent.json"))
     with pytest.raises(NotFound):
-        P.preflight(pc, EXPERIMENT)
+        call_tool("preflight", pc, EXPERIMENT)
     assert Path(first.env_report).read_bytes() == before
 
 
@@ -537,7 +539,7 @@ def test_train_py_snippet_runs_standalone_and_agrees(tmp_path):
 
 def test_a_brief_without_max_seq_length_is_estimated_at_the_recipe_default(skills):
     """prepare_dataset trains such a brief at the method recipe's max_seq_length; preflight estimates that run."""
-    from finetune_mcp.phases.config import recipe_params
+    from finetune_mcp.domain.recipes import recipe_params
 
     default = recipe_params(skills, "sft-lora")["max_seq_length"].default
     brief = {"base_model": "meta-llama/Llama-3.1-8B", "method": "sft-lora", "max_seq_length": None, "memory_budget_gb": 96}

@@ -7,8 +7,8 @@ import time
 
 import yaml
 
-from finetune_mcp.phases import progress as P
-from finetune_mcp.phases import run_state
+from finetune_mcp.domain import progress as P
+from finetune_mcp.domain import run_state
 
 RULE = P.SpikeRule(factor=3.0, window=5, min_history=3)
 

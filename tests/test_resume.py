@@ -17,8 +17,7 @@ import signal
 import anyio
 import psutil
 
-from conftest import mcp_session
-from test_run import KEYS, call, finished, pipeline, poll_until, refused, run_dir_of  # noqa: F401  (pipeline: fixture)
+from conftest import KEYS, finished, mcp_session, poll_until, refused, run_call, run_dir_of
 
 STEPS, SAVE = 240, 60
 CFG = {"max_steps": STEPS, "save_steps": SAVE, "logging_steps": 1}
@@ -45,10 +44,10 @@ def test_kill_9_stop_and_resume_match_an_uninterrupted_run(pipeline, monkeypatch
 
     async def main():
         async with mcp_session() as s:
-            whole = (await call(s, "launch_run", {"experiment": exp, "tag": "whole", "accept_warnings": True}))["run_id"]
+            whole = (await run_call(s, "launch_run", {"experiment": exp, "tag": "whole", "accept_warnings": True}))["run_id"]
             out["whole"], out["whole_last"] = await poll_until(s, whole, finished, limit=5000)
 
-            broken = (await call(s, "launch_run", {"experiment": exp, "tag": "broken", "accept_warnings": True}))["run_id"]
+            broken = (await run_call(s, "launch_run", {"experiment": exp, "tag": "broken", "accept_warnings": True}))["run_id"]
             seen, _ = await poll_until(s, broken, lambda r, seen: has_checkpoint(broken, SAVE) and len(seen) > SAVE + 5)
             out["refused_live"] = await refused(s, "launch_run", {"experiment": exp, "tag": "broken", "resume_from": broken,
                                                                   "accept_warnings": True})
@@ -59,14 +58,14 @@ def test_kill_9_stop_and_resume_match_an_uninterrupted_run(pipeline, monkeypatch
 
             out["refused_config"] = await refused(s, "launch_run", {"experiment": exp, "tag": "other-lr", "resume_from": broken,
                                                                     "accept_warnings": True})
-            r1 = await call(s, "launch_run", {"experiment": exp, "tag": "broken", "resume_from": "latest", "accept_warnings": True})
+            r1 = await run_call(s, "launch_run", {"experiment": exp, "tag": "broken", "resume_from": "latest", "accept_warnings": True})
             out["r1_launch"] = r1
             r1_id = r1["run_id"]
             seen1, _ = await poll_until(s, r1_id, lambda r, seen: len(seen) >= 40)
-            out["stopped"] = await call(s, "stop_run", {"run_id": r1_id, "grace_seconds": 120})
+            out["stopped"] = await run_call(s, "stop_run", {"run_id": r1_id, "grace_seconds": 120})
             out["r1"], out["r1_last"] = await poll_until(s, r1_id, finished, cursor=0, limit=5000)
 
-            r2 = await call(s, "launch_run", {"experiment": exp, "tag": "broken", "resume_from": r1_id, "accept_warnings": True})
+            r2 = await run_call(s, "launch_run", {"experiment": exp, "tag": "broken", "resume_from": r1_id, "accept_warnings": True})
             out["r2_launch"] = r2
             out["r2"], out["r2_last"] = await poll_until(s, r2["run_id"], finished, limit=5000)
             out["ids"] = (whole, broken, r1_id, r2["run_id"])

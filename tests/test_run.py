@@ -26,16 +26,13 @@ import psutil
 import pytest
 import yaml
 
-from conftest import mcp_session
+from conftest import EXP, KEYS, call_tool, finished, mcp_session, poll_until, refused, run_call, run_dir_of
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.digest import verify_folder
-from finetune_mcp.embedded import task
+from finetune_mcp.common import task
 from finetune_mcp.workspace import Workspace, commit, ensure_repo
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
-EXP = "finetune-mcp-tiny-SFT-LoRA-repeat-words"
-KEYS = ["step", "loss", "lr", "mem_gb", "temp_c"]
-TERMINAL = ("succeeded", "failed", "stopped")
 
 CHECK_OK = {"id": "N3", "name": "memory vs estimate", "status": "pass", "observed": "20 GB free", "threshold": ">= 2 GB",
             "remediation": None, "cite": "spark-preflight#n3"}
@@ -86,108 +83,11 @@ def training(max_steps=12, logging_steps=1, save_steps=10**6, step_sleep=0.0, lr
             "fixture": {"step_sleep": step_sleep}}
 
 
-@pytest.fixture(autouse=True)
-def no_run_outlives_its_test(tmp_path_factory):
-    """Runs are detached on purpose; one a failing test left behind must not train on for minutes."""
-    yield
-    base = str(tmp_path_factory.getbasetemp())
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            env = open(f"/proc/{name}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        for item in env:
-            if item.startswith(b"FINETUNE_MCP_RUN_DIR=") and item.split(b"=", 1)[1].decode(errors="replace").startswith(base):
-                try:
-                    os.kill(int(name), signal.SIGKILL)
-                except OSError:
-                    pass
-
-
-class Pipeline:
-    def __init__(self, root: Path, experiment: str, verdict: str):
-        self.root, self.experiment, self.verdict = root, experiment, verdict
-
-    def use(self, monkeypatch) -> None:
-        monkeypatch.setenv("DGX_SPARK_ROOT", str(self.root))
-        monkeypatch.delenv("OUTPUT_ROOT", raising=False)
-
-    def config(self, tag: str, **overrides) -> None:
-        """generate_config for a new tag (cheap: the dataset and preflight are shared)."""
-        from finetune_mcp.phases.config import generate_config
-
-        generate_config(PhaseContext.for_role("training-engineer"), experiment=self.experiment, tag=tag, overrides=overrides)
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory) -> Pipeline:
-    """One experiment as the tools open it: prepare_dataset on the embedded task, then preflight."""
-    from finetune_mcp.phases.dataset import prepare_dataset
-    from finetune_mcp.phases.preflight import preflight
-
-    root = tmp_path_factory.mktemp("pipeline") / "dgx-spark"
-    root.mkdir()
-    saved = {k: os.environ.get(k) for k in ("DGX_SPARK_ROOT", "OUTPUT_ROOT")}
-    os.environ["DGX_SPARK_ROOT"] = str(root)
-    os.environ.pop("OUTPUT_ROOT", None)
-    try:
-        pc = PhaseContext.for_role("training-engineer")
-        inbox = root / "inbox"
-        inbox.mkdir()
-        (inbox / "training-brief.md").write_text(task.sample_brief("sft-lora"))
-        task.write_jsonl(task.sft_conversations(800, seed=0), inbox / "repeat-words.jsonl")
-        prep = prepare_dataset(pc, brief_path=str(inbox / "training-brief.md"), source=str(inbox / "repeat-words.jsonl"))
-        assert prep.complete, prep.summary
-        pf = preflight(pc, experiment=prep.experiment)
-        assert pf.verdict != "blocked", pf.summary
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return Pipeline(root, prep.experiment, pf.verdict)
+# No run a test here starts may outlive it (conftest's reaper).
+pytestmark = pytest.mark.usefixtures("no_run_outlives_its_test")
 
 
 # ---------------------------------------------------------------- MCP helpers
-
-
-async def call(s, tool: str, args: dict, **kw) -> dict:
-    r = await s.call_tool(tool, args, **kw)
-    if r.is_error:
-        raise ToolFailed(r.content[0].text)
-    return r.structured_content
-
-
-async def refused(s, tool: str, args: dict) -> str:
-    r = await s.call_tool(tool, args)
-    assert r.is_error, f"{tool} should have been refused: {r.structured_content}"
-    return r.content[0].text
-
-
-class ToolFailed(AssertionError):
-    pass
-
-
-async def poll_until(s, run_id: str, done, cursor: int = 0, timeout: float = 240.0, **kw) -> tuple[list[dict], dict]:
-    """Poll from cursor until done(result); returns every record seen and the last result."""
-    seen: list[dict] = []
-    end = time.monotonic() + timeout
-    while True:
-        r = await call(s, "poll_progress", {"run_id": run_id, "cursor": cursor, **kw})
-        seen += r["records"]
-        cursor = r["next_cursor"]
-        if done(r, seen) and not r["more"]:
-            return seen, r
-        assert time.monotonic() < end, f"timed out polling {run_id}: {r['summary']}"
-        if not r["more"]:
-            await anyio.sleep(0.5)
-
-
-def finished(r, seen):
-    return r["status"] in TERMINAL
 
 
 def server_pid() -> int:
@@ -199,10 +99,6 @@ def server_pid() -> int:
         if "serve" in cmd and "--role" in cmd:
             return p.pid
     raise AssertionError("no finetune-mcp server process found")
-
-
-def run_dir_of(run_id: str) -> Path:
-    return Workspace.from_env().output_root / run_id
 
 
 def wait_until_second_is_early() -> None:
@@ -222,7 +118,7 @@ def test_tiny_sft_run_polled_to_completion_across_a_server_restart(pipeline, mon
 
     async def first_server():
         async with mcp_session() as s:
-            launched = await call(s, "launch_run", {"experiment": exp, "tag": "r8-restart", "accept_warnings": True})
+            launched = await run_call(s, "launch_run", {"experiment": exp, "tag": "r8-restart", "accept_warnings": True})
             state["run_id"] = run_id = launched["run_id"]
             assert launched["commit"] and launched["launcher"] == "local"
             seen, r = await poll_until(s, run_id, lambda r, seen: len(seen) >= 2)
@@ -255,7 +151,7 @@ def test_tiny_sft_run_polled_to_completion_across_a_server_restart(pipeline, mon
             everything, again = await poll_until(s, run_id, finished, cursor=0, limit=5000)
             with_png = await s.call_tool("poll_progress", {"run_id": run_id, "cursor": again["next_cursor"], "plot": True},
                                          progress_callback=on_progress)
-            pruned = await call(s, "prune_checkpoints", {"run_id": run_id})
+            pruned = await run_call(s, "prune_checkpoints", {"run_id": run_id})
             return rest, last, everything, with_png, pruned
 
     rest, last, everything, with_png, pruned = anyio.run(second_server)
@@ -304,8 +200,8 @@ def test_stop_run_and_kill_9_side_by_side(pipeline, monkeypatch):
 
     async def main():
         async with mcp_session(env={"FINETUNE_MCP_MAX_CPU_RUNS": "2"}) as s:
-            stop_id = (await call(s, "launch_run", {"experiment": exp, "tag": "long-stop", "accept_warnings": True}))["run_id"]
-            kill_id = (await call(s, "launch_run", {"experiment": exp, "tag": "long-kill", "accept_warnings": True}))["run_id"]
+            stop_id = (await run_call(s, "launch_run", {"experiment": exp, "tag": "long-stop", "accept_warnings": True}))["run_id"]
+            kill_id = (await run_call(s, "launch_run", {"experiment": exp, "tag": "long-kill", "accept_warnings": True}))["run_id"]
             await poll_until(s, stop_id, lambda r, seen: len(seen) >= 1)
             await poll_until(s, kill_id, lambda r, seen: len(seen) >= 1)
 
@@ -313,11 +209,11 @@ def test_stop_run_and_kill_9_side_by_side(pipeline, monkeypatch):
             assert "train.py" in trainer.cmdline()
             trainer.send_signal(signal.SIGKILL)
 
-            stopped = await call(s, "stop_run", {"run_id": stop_id, "grace_seconds": 120})
+            stopped = await run_call(s, "stop_run", {"run_id": stop_id, "grace_seconds": 120})
             _, stop_poll = await poll_until(s, stop_id, finished)
             _, kill_poll = await poll_until(s, kill_id, finished)
             prune_text = await refused(s, "prune_checkpoints", {"run_id": stop_id})
-            again = await call(s, "stop_run", {"run_id": stop_id})
+            again = await run_call(s, "stop_run", {"run_id": stop_id})
             return stopped, stop_poll, kill_poll, prune_text, again, stop_id, kill_id
 
     stopped, stop_poll, kill_poll, prune_text, again, stop_id, kill_id = anyio.run(main)
@@ -346,8 +242,8 @@ def test_torchrun_two_cpu_processes(pipeline, monkeypatch):
 
     async def main():
         async with mcp_session() as s:
-            launched = await call(s, "launch_run", {"experiment": exp, "tag": "ddp2", "launcher": "torchrun", "nproc": 2,
-                                                    "accept_warnings": True})
+            launched = await run_call(s, "launch_run", {"experiment": exp, "tag": "ddp2", "launcher": "torchrun", "nproc": 2,
+                                                        "accept_warnings": True})
             assert launched["command"][1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node" in launched["command"]
             sup = psutil.Process(launched["pid"])
             ranks: set[int] = set()
@@ -377,7 +273,7 @@ def test_script_without_our_callback_is_read_from_stdout(ws_root, tiny_model_dir
 
     async def main():
         async with mcp_session() as s:
-            run_id = (await call(s, "launch_run", {"experiment": EXP, "tag": "plain"}))["run_id"]
+            run_id = (await run_call(s, "launch_run", {"experiment": EXP, "tag": "plain"}))["run_id"]
             seen, last = await poll_until(s, run_id, finished)
             replay, _ = await poll_until(s, run_id, finished, cursor=0)
             # This script draws no loss.png: the curve is rendered from the records on request.
@@ -427,11 +323,11 @@ def test_each_refusal(ws_root, tiny_model_dir, tmp_path):
 
             write_env_report(exp, "ready-with-warnings", [CHECK_OK, CHECK_WARN])
             wait_until_second_is_early()
-            first = await call(s, "launch_run", {**args, "accept_warnings": True})
+            first = await run_call(s, "launch_run", {**args, "accept_warnings": True})
             out["accepted"] = first
             out["f"] = await refused(s, "launch_run", {**args, "accept_warnings": True})
             out["e"] = await refused(s, "launch_run", {"experiment": EXP, "tag": "b", "accept_warnings": True})
-            out["stop"] = await call(s, "stop_run", {"run_id": first["run_id"], "grace_seconds": 10})
+            out["stop"] = await run_call(s, "stop_run", {"run_id": first["run_id"], "grace_seconds": 10})
         return out
 
     out = anyio.run(main)
@@ -458,13 +354,13 @@ def test_stop_under_torchrun_gives_each_rank_one_sigterm(ws_root, tiny_model_dir
 
     async def main():
         async with mcp_session() as s:
-            launched = await call(s, "launch_run", {"experiment": EXP, "tag": "ranks", "launcher": "torchrun", "nproc": 2})
+            launched = await run_call(s, "launch_run", {"experiment": EXP, "tag": "ranks", "launcher": "torchrun", "nproc": 2})
             log = run_dir_of(launched["run_id"]) / "logs" / "stdout.log"
             end = time.monotonic() + 60
             while not (log.exists() and "rank 0 ready" in log.read_text() and "rank 1 ready" in log.read_text()):
                 assert time.monotonic() < end, "ranks never started"
                 await anyio.sleep(0.2)
-            stopped = await call(s, "stop_run", {"run_id": launched["run_id"], "grace_seconds": 60})
+            stopped = await run_call(s, "stop_run", {"run_id": launched["run_id"], "grace_seconds": 60})
             return launched["run_id"], stopped
 
     run_id, stopped = anyio.run(main)
@@ -477,8 +373,7 @@ def test_stop_under_torchrun_gives_each_rank_one_sigterm(ws_root, tiny_model_dir
 def test_gpu_runs_refuse_to_share_a_device(ws_root, tiny_model_dir, monkeypatch):
     # No GPU here: the env-report is a recorded generic-nvidia observation, and the "GPU run" already
     # live is this test process itself, recorded in a run.json the way launch_run records one.
-    from finetune_mcp.errors import Refused
-    from finetune_mcp.phases import run as R
+    from finetune_mcp.common.errors import Refused
 
     exp = make_experiment(tiny_model_dir, script="sleeper.py", runs={"g0": {"sleeper": {"seconds": 60}},
                                                                     "g1": {"sleeper": {"seconds": 60}}})
@@ -493,31 +388,30 @@ def test_gpu_runs_refuse_to_share_a_device(ws_root, tiny_model_dir, monkeypatch)
     pc = PhaseContext.for_role("training-engineer")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(Refused, match=r"is live on GPU\(s\) 0"):
-        R.launch_run(pc, EXP, "g0")
+        call_tool("launch_run", pc, EXP, "g0")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # nothing narrows it: the run would take every GPU
     with pytest.raises(Refused, match="which this run would share"):
-        R.launch_run(pc, EXP, "g0")
+        call_tool("launch_run", pc, EXP, "g0")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    launched = R.launch_run(pc, EXP, "g1")
+    launched = call_tool("launch_run", pc, EXP, "g1")
     rj = json.loads((run_dir_of(launched.run_id) / "run.json").read_text())
     assert (rj["device"], rj["gpus"]) == ("cuda", ["1"])
-    assert R.stop_run(pc, launched.run_id, grace_seconds=10).status == "stopped"
+    assert call_tool("stop_run", pc, launched.run_id, grace_seconds=10).status == "stopped"
 
 
 def test_stop_escalates_to_sigkill_and_is_still_a_stop(ws_root, tiny_model_dir):
     # A trainer that ignores SIGTERM is killed after the grace period; the run is "stopped", never an OOM.
-    from finetune_mcp.phases import run as R
 
     make_experiment(tiny_model_dir, script="sleeper.py", runs={"deaf": {"sleeper": {"seconds": 120, "ignore_sigterm": True}}})
     pc = PhaseContext.for_role("training-engineer")
-    launched = R.launch_run(pc, EXP, "deaf")
+    launched = call_tool("launch_run", pc, EXP, "deaf")
     log = run_dir_of(launched.run_id) / "logs" / "stdout.log"
     end = time.monotonic() + 30
     while not (log.exists() and "sleeper ready" in log.read_text()):
         assert time.monotonic() < end
         time.sleep(0.1)
-    stopped = R.stop_run(pc, launched.run_id, grace_seconds=1)
+    stopped = call_tool("stop_run", pc, launched.run_id, grace_seconds=1)
     assert stopped.signal_sent == ["SIGTERM", "SIGKILL"] and stopped.status == "stopped"
-    polled = R.poll_progress(pc, launched.run_id)
+    polled = call_tool("poll_progress", pc, launched.run_id)
     assert (polled.status, polled.signal, polled.exit_code) == ("stopped", "SIGKILL", 137)
     assert "out-of-memory" not in (polled.detail or "")

@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from finetune_mcp.errors import BadInput
-from finetune_mcp.phases import run_state as RS
+from finetune_mcp.common.errors import BadInput
+from finetune_mcp.domain import run_state as RS
 
 
 def run_dir_with(tmp_path, config: dict | None = None, exit: dict | None = None):

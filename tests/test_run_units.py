@@ -15,13 +15,17 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import call_tool
+
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.digest import folder_digest
-from finetune_mcp.errors import BadInput, Refused
+from finetune_mcp.common.errors import BadInput, Refused
 from finetune_mcp.launchers.base import RunSpec
 from finetune_mcp.launchers.docker import DockerLauncher
-from finetune_mcp.phases import progress, run_state
-from finetune_mcp.phases import run as R
+from finetune_mcp.domain import progress
+from finetune_mcp.domain import run_state
+from finetune_mcp.domain import run_notes as R
+from finetune_mcp.launchers import get_launcher
 
 RUNWRAP = Path(R.__file__).resolve().parent.parent / "launchers" / "runwrap.py"
 EXP = "tiny-SFT-LoRA-units"
@@ -70,7 +74,7 @@ def test_records_have_exactly_the_seed_shape_and_cursor_pages_through(pc):
     run_id, _ = make_run(pc, body, exit=DONE)
     seen, cursor = [], 0
     while True:
-        r = R.poll_progress(pc, run_id, cursor=cursor, limit=3)
+        r = call_tool("poll_progress", pc, run_id, cursor=cursor, limit=3)
         for x in r.records:
             d = x.model_dump(mode="json")
             assert list(d) == ["step", "loss", "lr", "mem_gb", "temp_c"]
@@ -83,9 +87,9 @@ def test_records_have_exactly_the_seed_shape_and_cursor_pages_through(pc):
     assert [d["step"] for d in seen] == list(range(1, 8))
     assert r.next_cursor == len(body.encode())
     assert r.last.step == 7 and r.status == "succeeded"
-    at_end = R.poll_progress(pc, run_id, cursor=r.next_cursor)  # this server followed the run
+    at_end = call_tool("poll_progress", pc, run_id, cursor=r.next_cursor)  # this server followed the run
     fresh_server()
-    at_end_cold = R.poll_progress(pc, run_id, cursor=r.next_cursor)
+    at_end_cold = call_tool("poll_progress", pc, run_id, cursor=r.next_cursor)
     assert at_end.records == at_end_cold.records == [] and at_end.last == at_end_cold.last == r.last
 
 
@@ -93,12 +97,12 @@ def test_partial_last_line_is_not_consumed(pc):
     full = rec(1, 1.5) + rec(2, 1.4)
     partial = rec(3, 1.3)[:-9]
     run_id, d = make_run(pc, full + partial, run_json=me())
-    r = R.poll_progress(pc, run_id)
+    r = call_tool("poll_progress", pc, run_id)
     assert [x.step for x in r.records] == [1, 2]
     assert r.next_cursor == len(full.encode())
     with open(d / "logs" / "progress.jsonl", "a") as f:
         f.write(rec(3, 1.3)[-9:])
-    r2 = R.poll_progress(pc, run_id, cursor=r.next_cursor)
+    r2 = call_tool("poll_progress", pc, run_id, cursor=r.next_cursor)
     assert [x.step for x in r2.records] == [3] and r2.next_cursor == len((full + rec(3, 1.3)).encode())
 
 
@@ -106,9 +110,9 @@ def test_bad_cursors_are_refused_with_the_fix(pc):
     body = rec(1, 1.0) + rec(2, 0.9)
     run_id, _ = make_run(pc, body, exit=DONE)
     with pytest.raises(BadInput, match="not at a line boundary"):
-        R.poll_progress(pc, run_id, cursor=5)
+        call_tool("poll_progress", pc, run_id, cursor=5)
     with pytest.raises(BadInput, match="past the end"):
-        R.poll_progress(pc, run_id, cursor=len(body) + 10)
+        call_tool("poll_progress", pc, run_id, cursor=len(body) + 10)
 
 
 def test_nan_inf_and_spike_anomalies(pc):
@@ -117,7 +121,7 @@ def test_nan_inf_and_spike_anomalies(pc):
     body = "".join(rec(i, 1.0 + 0.01 * (i % 3)) for i in range(1, 11))
     body += rec(11, float("nan")) + rec(12, float("inf")) + rec(13, 1.5 * k) + rec(14, 1.0) + rec(15, 0.9 * k)
     run_id, _ = make_run(pc, body, exit=DONE)
-    r = R.poll_progress(pc, run_id)
+    r = call_tool("poll_progress", pc, run_id)
     kinds = {(a.kind, a.step) for a in r.anomalies}
     assert kinds == {("nan-loss", 11), ("inf-loss", 12), ("loss-spike", 13)}
     dumped = {x.step: x.model_dump(mode="json")["loss"] for x in r.records}
@@ -130,10 +134,10 @@ def test_a_new_server_sees_the_same_records_and_anomalies(pc):
     body_a = "".join(rec(i, 1.0) for i in range(1, 31))
     body_b = rec(31, 2.0 * progress.spike_rule(pc.skills).factor) + "".join(rec(i, 1.0) for i in range(32, 36))
     run_id, _ = make_run(pc, body_a + body_b, exit=DONE)
-    first = R.poll_progress(pc, run_id, limit=30)
-    warm = R.poll_progress(pc, run_id, cursor=first.next_cursor)
+    first = call_tool("poll_progress", pc, run_id, limit=30)
+    warm = call_tool("poll_progress", pc, run_id, cursor=first.next_cursor)
     fresh_server()
-    cold = R.poll_progress(pc, run_id, cursor=first.next_cursor)
+    cold = call_tool("poll_progress", pc, run_id, cursor=first.next_cursor)
     assert warm.model_dump() == cold.model_dump()
     assert [a.kind for a in cold.anomalies] == ["loss-spike"]
 
@@ -141,7 +145,7 @@ def test_a_new_server_sees_the_same_records_and_anomalies(pc):
 def test_non_record_lines_are_skipped(pc):
     body = rec(1, 1.0) + "not json\n" + json.dumps({"eval_loss": 0.3}) + "\n\n" + rec(2, 0.9)
     run_id, _ = make_run(pc, body, exit=DONE)
-    r = R.poll_progress(pc, run_id)
+    r = call_tool("poll_progress", pc, run_id)
     assert [x.step for x in r.records] == [1, 2] and r.next_cursor == len(body)
 
 
@@ -157,7 +161,7 @@ def test_non_record_lines_are_skipped(pc):
 ])
 def test_status_from_exit_record(pc, ex, status, code, sig):
     run_id, _ = make_run(pc, rec(1, 1.0), run_json=me(), exit=ex)
-    r = R.poll_progress(pc, run_id)
+    r = call_tool("poll_progress", pc, run_id)
     assert (r.status, r.exit_code, r.signal) == (status, code, sig)
     if sig == "SIGKILL" and status == "failed":
         assert "out-of-memory" in r.detail
@@ -165,12 +169,12 @@ def test_status_from_exit_record(pc, ex, status, code, sig):
 
 def test_live_recycled_and_vanished_supervisors(pc):
     run_id, _ = make_run(pc, rec(1, 1.0), run_json=me(), name="20250101-0000-live")
-    assert R.poll_progress(pc, run_id).status == "running"
+    assert call_tool("poll_progress", pc, run_id).status == "running"
     run_id2, _ = make_run(pc, "", run_json=me(), name="20250101-0000-young")
-    assert R.poll_progress(pc, run_id2).status == "starting"
+    assert call_tool("poll_progress", pc, run_id2).status == "starting"
     # Same pid, other start time: a recycled pid is not the run.
     run_id3, _ = make_run(pc, rec(1, 1.0), run_json={**me(), "start_time": me()["start_time"] - 100}, name="20250101-0000-recycled")
-    r = R.poll_progress(pc, run_id3)
+    r = call_tool("poll_progress", pc, run_id3)
     assert r.status == "failed" and "recorded no exit" in r.detail
 
 
@@ -179,16 +183,16 @@ def test_stall_is_reported_for_a_live_run(pc, monkeypatch):
     old = time.time() - 300
     os.utime(d / "logs" / "progress.jsonl", (old, old))
     monkeypatch.setenv("FINETUNE_MCP_STALL_MINUTES", "2")
-    r = R.poll_progress(pc, run_id)
+    r = call_tool("poll_progress", pc, run_id)
     assert [a.kind for a in r.anomalies] == ["stalled"] and r.anomalies[0].step == 1
     monkeypatch.setenv("FINETUNE_MCP_STALL_MINUTES", "10")
-    assert R.poll_progress(pc, run_id).anomalies == []
+    assert call_tool("poll_progress", pc, run_id).anomalies == []
 
 
 def test_roadbook_lines_are_written_once_even_across_servers(pc):
     run_id, d = make_run(pc, rec(1, 1.0) + rec(2, 0.8), run_json=me(), exit=DONE)
     for _ in range(3):
-        R.poll_progress(pc, run_id)
+        call_tool("poll_progress", pc, run_id)
         fresh_server()
     text = (d / "roadbook.md").read_text()
     assert text.count("**first-step**") == 1 and text.count("**finished**") == 1
@@ -197,7 +201,7 @@ def test_roadbook_lines_are_written_once_even_across_servers(pc):
 def test_eval_role_polls_without_writing(ws_root):
     pc_eval = PhaseContext.for_role("eval-engineer")
     run_id, d = make_run(pc_eval, rec(1, 1.0), exit=DONE)
-    assert R.poll_progress(pc_eval, run_id).status == "succeeded"
+    assert call_tool("poll_progress", pc_eval, run_id).status == "succeeded"
     assert not (d / "roadbook.md").exists()
 
 
@@ -320,24 +324,24 @@ def test_prune_refuses_unless_succeeded_and_verified(pc):
     (d / "checkpoints" / "checkpoint-1").mkdir(parents=True)
     (d / "checkpoints" / "checkpoint-1" / "optimizer.pt").write_bytes(b"x" * 5000)
     with pytest.raises(Refused, match="not succeeded"):
-        R.prune_checkpoints(pc, run_id)
+        call_tool("prune_checkpoints", pc, run_id)
     (d / "exit.json").write_text(json.dumps(DONE))
     with pytest.raises(Refused, match="no adapter"):
-        R.prune_checkpoints(pc, run_id)
+        call_tool("prune_checkpoints", pc, run_id)
     (d / "adapter").mkdir()
     (d / "adapter" / "adapter_model.safetensors").write_bytes(b"w" * 300)
     with pytest.raises(Refused, match="no DIGEST"):
-        R.prune_checkpoints(pc, run_id)
+        call_tool("prune_checkpoints", pc, run_id)
     (d / "adapter" / "DIGEST").write_text(folder_digest(d / "adapter") + "\n")
     (d / "adapter" / "adapter_model.safetensors").write_bytes(b"v" * 300)  # changed after the digest
     with pytest.raises(Refused, match="does not match"):
-        R.prune_checkpoints(pc, run_id)
+        call_tool("prune_checkpoints", pc, run_id)
     assert (d / "checkpoints" / "checkpoint-1" / "optimizer.pt").exists()
     (d / "adapter" / "DIGEST").write_text(folder_digest(d / "adapter") + "\n")
-    r = R.prune_checkpoints(pc, run_id)
+    r = call_tool("prune_checkpoints", pc, run_id)
     assert r.freed_bytes == 5000 and r.removed == ["checkpoint-1"]
     assert not (d / "checkpoints").exists() and (d / "adapter" / "adapter_model.safetensors").exists()
-    assert R.prune_checkpoints(pc, run_id).freed_bytes == 0
+    assert call_tool("prune_checkpoints", pc, run_id).freed_bytes == 0
 
 
 def test_prune_refuses_a_symlinked_checkpoints_dir(pc, tmp_path):
@@ -350,21 +354,21 @@ def test_prune_refuses_a_symlinked_checkpoints_dir(pc, tmp_path):
     (elsewhere / "keep").write_text("keep")
     (d / "checkpoints").symlink_to(elsewhere)
     with pytest.raises(Refused, match="symbolic link"):
-        R.prune_checkpoints(pc, run_id)
+        call_tool("prune_checkpoints", pc, run_id)
     assert (elsewhere / "keep").exists()
 
 
 def test_slurm_only_arguments_and_nproc_are_checked(pc):
     pc.ws.experiment_dir(EXP, must_exist=False).mkdir(parents=True)
     with pytest.raises(BadInput, match="only to launcher='slurm'"):
-        R.launch_run(pc, EXP, "t", partition="gpu")
+        call_tool("launch_run", pc, EXP, "t", partition="gpu")
     with pytest.raises(BadInput, match="torchrun"):
-        R.launch_run(pc, EXP, "t", nproc=2)
+        call_tool("launch_run", pc, EXP, "t", nproc=2)
     # slurm takes them (launchers/slurm.py) and, like every launcher, stops first at the preflight gate
     with pytest.raises(Refused, match="no env-report.json"):
-        R.launch_run(pc, EXP, "t", launcher="slurm", partition="gpu")
+        call_tool("launch_run", pc, EXP, "t", launcher="slurm", partition="gpu")
     with pytest.raises(Refused, match="no env-report.json"):
-        R.launch_run(pc, EXP, "t")
+        call_tool("launch_run", pc, EXP, "t")
 
 
 def test_supervisor_kills_what_the_trainer_left_behind(tmp_path):
@@ -375,7 +379,7 @@ def test_supervisor_kills_what_the_trainer_left_behind(tmp_path):
     ex, d = supervise(tmp_path, code)
     orphan = int((d / "orphan.pid").read_text())
     assert ex["returncode"] == 0 and ex["leftovers_killed"] == [orphan]
-    wait_for(lambda: not R.get_launcher("local").alive(d, {"pid": orphan, "start_time": None}), timeout=10)
+    wait_for(lambda: not get_launcher("local").alive(d, {"pid": orphan, "start_time": None}), timeout=10)
 
 
 def test_a_run_that_never_logs_a_step_is_reported_stalled(pc, monkeypatch):
@@ -383,13 +387,13 @@ def test_a_run_that_never_logs_a_step_is_reported_stalled(pc, monkeypatch):
     old = time.time() - 300
     os.utime(d / "run.json", (old, old))
     monkeypatch.setenv("FINETUNE_MCP_STALL_MINUTES", "2")
-    r = R.poll_progress(pc, run_id)
+    r = call_tool("poll_progress", pc, run_id)
     assert r.status == "starting" and [a.kind for a in r.anomalies] == ["stalled"] and "no first step" in r.anomalies[0].message
 
 
 def test_last_record_never_comes_from_a_line_still_being_written(pc):
     body = rec(1, 1.0) + rec(2, 0.9)
     run_id, d = make_run(pc, body + rec(3, 0.8).rstrip("\n"), run_json=me())
-    r = R.poll_progress(pc, run_id, cursor=len(body))
+    r = call_tool("poll_progress", pc, run_id, cursor=len(body))
     assert r.records == [] and r.last.step == 2 and r.next_cursor == len(body)
     assert "first record, step 1 loss 1" in (d / "roadbook.md").read_text()

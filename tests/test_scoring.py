@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp import scoring
-from finetune_mcp.errors import BadInput
+from finetune_mcp.common import scoring
+from finetune_mcp.common.errors import BadInput
 
 FIXTURE = Path(__file__).parent / "fixtures" / "eval" / "smollm2-135m-instruct-outputs.json"
 REC = json.loads(FIXTURE.read_text(encoding="utf-8"))

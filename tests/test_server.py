@@ -14,11 +14,8 @@ import anyio
 import httpx
 import pytest
 
-from conftest import REPO, free_port, mcp_session, server_command
+from conftest import EVAL_TOOLS, REPO, TRAINING_TOOLS, mcp_session
 
-TRAINING_TOOLS = {"prepare_dataset", "preflight", "generate_config", "launch_run", "poll_progress", "compare_runs", "stop_run",
-                  "prune_checkpoints", "triage_failure", "export"}
-EVAL_TOOLS = {"evaluate_checkpoint", "record_verdict", "write_eval_file", "poll_progress", "compare_runs"}
 HEAVY = ("torch", "transformers", "trl", "peft", "datasets", "unsloth", "accelerate")
 
 
@@ -99,26 +96,6 @@ def test_server_never_imports_heavy_stack(ws_root, tmp_path):
     assert loaded == [], f"the server imported {loaded}"
 
 
-@pytest.fixture
-def http_server(ws_root, tmp_path):
-    port = free_port()
-    tokens = tmp_path / "tokens.yaml"
-    tokens.write_text("training-engineer: [tok-train-0123456789abcdef]\neval-engineer: [tok-eval-0123456789abcdef]\n")
-    errlog = tmp_path / "server.err"
-    proc = subprocess.Popen(server_command() + ["serve", "--transport", "http", "--port", str(port), "--tokens-file", str(tokens)],
-                            stdout=subprocess.DEVNULL, stderr=open(errlog, "w"))
-    url = f"http://127.0.0.1:{port}/mcp"
-    for _ in range(100):
-        try:
-            httpx.get(url, timeout=0.5)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    yield url, errlog
-    proc.terminate()
-    proc.wait(10)
-
-
 def test_http_bearer_tokens_map_to_roles(http_server):
     url, errlog = http_server
     from mcp import ClientSession
@@ -187,7 +164,7 @@ def test_a_table_row_that_misses_its_code_stops_the_server_at_start(ws_root, mon
 
     from finetune_mcp import tools
     from finetune_mcp.app import build_server
-    from finetune_mcp.errors import FtError
+    from finetune_mcp.common.errors import FtError
 
     bad = [dataclasses.replace(t, name="launch_runn") if t.name == "launch_run" else t for t in tools.TOOLS]
     monkeypatch.setattr(tools, "TOOLS", tuple(bad))

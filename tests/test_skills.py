@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import BadInput, NotFound
 from finetune_mcp.shipped import shipped_dir
 from finetune_mcp.skills import Skills, load_skills
 from finetune_mcp.skilltables import TABLES

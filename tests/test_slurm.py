@@ -31,7 +31,7 @@ from conftest import mcp_session
 from slurm_cluster import slurm_cluster  # noqa: F401  (session fixture)
 
 from finetune_mcp.digest import verify_folder
-from finetune_mcp.embedded import task
+from finetune_mcp.common import task
 from finetune_mcp.launchers.base import RunSpec
 from finetune_mcp.launchers.slurm import (
     SlurmLauncher,
@@ -547,7 +547,7 @@ def test_job_script_for_several_nodes_uses_srun_torchrun_on_the_first_host(tmp_p
 
 
 def test_bad_slurm_arguments_are_refused_before_anything_is_created(tmp_path):
-    from finetune_mcp.errors import BadInput
+    from finetune_mcp.common.errors import BadInput
 
     for opts, field in (({"time_limit": "an hour"}, "time_limit"), ({"partition": "gpu; rm -rf /"}, "partition"),
                         ({"account": "$(id)"}, "account")):

@@ -19,9 +19,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from conftest import mcp_session
-from finetune_mcp.embedded import task
-from test_run import call, finished, poll_until, run_dir_of
+from conftest import finished, mcp_session, poll_until, run_call, run_dir_of
+from finetune_mcp.common import task
 
 TRACKERS = ("tensorboard", "trackio", "mlflow", "wandb")
 STEPS = 6
@@ -116,19 +115,19 @@ def test_each_tracker_logs_the_runs_losses_to_its_local_store(tmp_path, monkeypa
 
     async def main():
         async with mcp_session() as s:
-            prep = await call(s, "prepare_dataset", {"brief_path": str(inbox / "training-brief.md"),
-                                                     "source": str(inbox / "repeat-words.jsonl")})
+            prep = await run_call(s, "prepare_dataset", {"brief_path": str(inbox / "training-brief.md"),
+                                                         "source": str(inbox / "repeat-words.jsonl")})
             exp = prep["experiment"]
-            await call(s, "preflight", {"experiment": exp})
+            await run_call(s, "preflight", {"experiment": exp})
             for tracker in TRACKERS:
                 if tracker in missing:
                     continue
                 section = "" if tracker == "tensorboard" else f"\n## Tracking\nreport_to: {tracker}\nproject: tiny-{tracker}\n"
                 (Path(prep["experiment_dir"]) / "training-brief.md").write_text(brief + section)
-                await call(s, "generate_config", {"experiment": exp, "tag": tracker,
-                                                  "overrides": {"max_steps": STEPS, "logging_steps": 1, "per_device_train_batch_size": 4,
-                                                                "gradient_accumulation_steps": 1}})
-                run_id = (await call(s, "launch_run", {"experiment": exp, "tag": tracker, "accept_warnings": True}))["run_id"]
+                await run_call(s, "generate_config", {"experiment": exp, "tag": tracker,
+                                                      "overrides": {"max_steps": STEPS, "logging_steps": 1, "per_device_train_batch_size": 4,
+                                                                    "gradient_accumulation_steps": 1}})
+                run_id = (await run_call(s, "launch_run", {"experiment": exp, "tag": tracker, "accept_warnings": True}))["run_id"]
                 records, last = await poll_until(s, run_id, finished)
                 results[tracker] = {"run_id": run_id, "records": records, "last": last, "experiment": exp}
 

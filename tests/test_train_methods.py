@@ -21,13 +21,14 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import call_tool, prepare_experiment
 import yaml
 
 from finetune_mcp import digest
-from finetune_mcp.phases import config as C
+from finetune_mcp.domain import recipes as C
 from finetune_mcp.worker import child_env, train_python
 from finetune_mcp.workspace import git
-from test_config import prepare_experiment
 
 # Steps per method: enough for the signal to stand clear of batch noise on the embedded model,
 # measured here (the margins need ~100 steps; GRPO's format reward rises within ~40).
@@ -45,7 +46,7 @@ def start(run_dir: Path, python: str | None = None, threads: int = 1) -> subproc
 
 
 def make_run(pc, experiment: str, tag: str, run_id: str = RUN_ID) -> Path:
-    """What launch_run does before it starts the process: the run dir, config.yaml, a copy of train.py."""
+    """What launch_run does before it starts the process: the run dir, config.yaml, a copy of train.py (and masking.py)."""
     exp_dir = pc.ws.experiments_dir / experiment
     run_dir = pc.ws.output_root / experiment / run_id
     run_dir.mkdir(parents=True)
@@ -54,6 +55,8 @@ def make_run(pc, experiment: str, tag: str, run_id: str = RUN_ID) -> Path:
     cfg = C.resolve_run_config(exp_dir, tag, meta)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     shutil.copy2(exp_dir / "train.py", run_dir / "train.py")
+    if (exp_dir / "masking.py").is_file():  # the SFT family's declared copy of common/masking.py, beside train.py
+        shutil.copy2(exp_dir / "masking.py", run_dir / "masking.py")
     return run_dir
 
 
@@ -99,8 +102,8 @@ def runs(tmp_path_factory, tiny_model_dir):
         mp.setenv("DGX_SPARK_ROOT", str(root))
         mp.delenv("OUTPUT_ROOT", raising=False)
         for method, steps in STEPS.items():
-            pc, exp = prepare_experiment(root, tiny_model_dir, method)
-            C.generate_config(pc, exp, "t", overrides={"max_steps": steps, "save_steps": steps, "telemetry_interval_s": 1.0})
+            pc, exp = prepare_experiment(root, tiny_model_dir, method, monkeypatch=mp)
+            call_tool("generate_config", pc, exp, "t", overrides={"max_steps": steps, "save_steps": steps, "telemetry_interval_s": 1.0})
             jobs[method] = make_run(pc, exp, "t")
             pcs[method] = (pc, exp)
         started = time.monotonic()
@@ -171,7 +174,7 @@ def test_grpo_mean_reward_rises(runs):
 
 def test_sigterm_saves_a_checkpoint_and_exits_143(runs, tiny_model_dir):
     pc, exp = runs["sft-lora"]["pc"], runs["sft-lora"]["experiment"]
-    C.generate_config(pc, exp, "long", overrides={"max_steps": 100000, "save_steps": 100000})
+    call_tool("generate_config", pc, exp, "long", overrides={"max_steps": 100000, "save_steps": 100000})
     run_dir = make_run(pc, exp, "long", "20260101-0001-long")
     proc = start(run_dir, threads=2)
     progress = run_dir / "logs" / "progress.jsonl"
@@ -195,7 +198,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(runs, tiny_model_dir):
 
 def test_train_sh_snapshots_the_resolved_config_then_trains(runs):
     pc, exp = runs["sft-lora"]["pc"], runs["sft-lora"]["experiment"]
-    C.generate_config(pc, exp, "sh", overrides={"max_steps": 4, "save_steps": 4})
+    call_tool("generate_config", pc, exp, "sh", overrides={"max_steps": 4, "save_steps": 4})
     exp_dir = pc.ws.experiments_dir / exp
     out_root = pc.ws.root / "elsewhere"
     env = child_env({"RUN_TAG": "sh", "OUTPUT_ROOT": str(out_root), "TRAIN_PYTHON": train_python(),
@@ -228,10 +231,10 @@ UNSLOTH_PYTHON = os.environ.get("FINETUNE_MCP_UNSLOTH_PYTHON")
 
 @pytest.mark.skipif(not UNSLOTH_PYTHON, reason="SKIPPED LOUDLY: set FINETUNE_MCP_UNSLOTH_PYTHON to the python of an "
                     "Unsloth training environment (bash .ci/unsloth-env.sh builds .venv-unsloth) to run the Unsloth SFT test")
-def test_unsloth_sft_lora_runs_in_its_own_environment(ws_root, tiny_model_dir):
+def test_unsloth_sft_lora_runs_in_its_own_environment(ws_root, tiny_model_dir, monkeypatch):
     assert Path(UNSLOTH_PYTHON).exists(), f"FINETUNE_MCP_UNSLOTH_PYTHON={UNSLOTH_PYTHON} does not exist"
-    pc, exp = prepare_experiment(ws_root, tiny_model_dir, "sft-lora")
-    r = C.generate_config(pc, exp, "u", backend="unsloth", overrides={"max_steps": 40, "save_steps": 40})
+    pc, exp = prepare_experiment(ws_root, tiny_model_dir, "sft-lora", monkeypatch=monkeypatch)
+    r = call_tool("generate_config", pc, exp, "u", backend="unsloth", overrides={"max_steps": 40, "save_steps": 40})
     assert r.backend == "unsloth"
     run_dir = make_run(pc, exp, "u")
     proc = start(run_dir, python=UNSLOTH_PYTHON, threads=2)
@@ -254,20 +257,20 @@ def _has_gpu() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="SKIPPED LOUDLY: no NVIDIA GPU here; QLoRA on CUDA runs on a GPU machine (pytest -m gpu)")
 @pytest.mark.parametrize("backend", ["trl", "unsloth"])
-def test_qlora_on_cuda(ws_root, tiny_model_dir, backend):
+def test_qlora_on_cuda(ws_root, tiny_model_dir, backend, monkeypatch):
     """A real preflight of this machine, then SFT-QLoRA for 30 steps with bitsandbytes 4-bit weights."""
     from finetune_mcp.context import PhaseContext
-    from finetune_mcp.phases import preflight as P
+    from finetune_mcp.domain import machine as P
 
     python = UNSLOTH_PYTHON if backend == "unsloth" else train_python()
     if backend == "unsloth" and not python:
         pytest.skip("SKIPPED LOUDLY: FINETUNE_MCP_UNSLOTH_PYTHON is not set")
     if subprocess.run([python, "-c", "import bitsandbytes"], capture_output=True).returncode != 0:
         pytest.skip(f"SKIPPED LOUDLY: bitsandbytes does not import in {python}; QLoRA needs it")
-    pc, exp = prepare_experiment(ws_root, tiny_model_dir, "sft-qlora")
-    os.environ.pop(P.REPLAY_ENV, None)
-    P.preflight(PhaseContext.for_role("training-engineer"), exp)
-    r = C.generate_config(pc, exp, "q", backend=backend, overrides={"max_steps": 30, "save_steps": 30})
+    pc, exp = prepare_experiment(ws_root, tiny_model_dir, "sft-qlora", monkeypatch=monkeypatch)
+    monkeypatch.delenv(P.REPLAY_ENV, raising=False)
+    call_tool("preflight", PhaseContext.for_role("training-engineer"), exp)
+    r = call_tool("generate_config", pc, exp, "q", backend=backend, overrides={"max_steps": 30, "save_steps": 30})
     assert r.resolved["load_in_4bit"].value is True
     run_dir = make_run(pc, exp, "q")
     rc = start(run_dir, python=python, threads=4).wait(timeout=900)

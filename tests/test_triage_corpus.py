@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 import finetune_mcp.triage as triage
-from finetune_mcp.errors import BadInput
+from finetune_mcp.common.errors import BadInput
 from finetune_mcp.triage import classify_records, classify_text, load_signal_table
 from finetune_mcp.triage.parse import to_number
 

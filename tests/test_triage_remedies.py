@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from finetune_mcp.errors import BadInput
+from finetune_mcp.common.errors import BadInput
 from finetune_mcp.triage import CAUSE_ORDER, divergence_causes, load_ladder_table, oom_next_rung, rungs_tried
 
 

@@ -15,8 +15,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from conftest import mcp_session
-from test_run import TERMINAL, call, finished, no_run_outlives_its_test, pipeline, poll_until, run_dir_of  # noqa: F401
+from conftest import TERMINAL, finished, mcp_session, poll_until, run_dir_of
+from conftest import run_call as call
+
+# No run a test here starts may outlive it (conftest's reaper, as in test_run.py).
+pytestmark = pytest.mark.usefixtures("no_run_outlives_its_test")
 
 
 def _triage_evidence_is_verbatim(tri: dict) -> None:

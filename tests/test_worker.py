@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from finetune_mcp import worker
-from finetune_mcp.errors import JobFailed, NotFound
+from finetune_mcp.common.errors import JobFailed, NotFound
 
 
 @pytest.fixture

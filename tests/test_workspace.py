@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from finetune_mcp import workspace as W
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import BadInput, NotFound
 
 
 def test_paths_from_env(tmp_path):

@@ -8,7 +8,7 @@ import inspect
 import json
 import logging
 import traceback
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Annotated, Any, Callable
 
@@ -21,7 +21,7 @@ from pydantic import Field
 
 from finetune_mcp import __version__, schemas as S
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.errors import BadInput, FtError, NotFound
+from finetune_mcp.common.errors import BadInput, FtError, NotFound
 from finetune_mcp.guard import Guard, load_policy
 from finetune_mcp.shipped import shipped_dir
 from finetune_mcp.tools import Tool, arg_parameters, check_table
@@ -49,7 +49,8 @@ async def call_phase(pc: PhaseContext, ctx: Context | None, tool: Tool, /, **kwa
 
     try:
         fn = tool.function()  # the phase module is imported here, on the tool's first call
-        result = await anyio.to_thread.run_sync(functools.partial(fn, pc.with_progress(progress), **kwargs))
+        args = tool.args.model_validate(kwargs)
+        result = await anyio.to_thread.run_sync(functools.partial(fn, pc.with_progress(progress), args))
     except FtError as e:
         raise ToolError(str(e)) from None
     except Exception as e:
@@ -148,7 +149,7 @@ def _register_brief_help(server: MCPServer, pc: PhaseContext, allowed: set[str])
     @server.resource("brief://example", name="brief-example", title="A complete training brief: every section, every accepted value",
                      mime_type="text/markdown")
     def brief_example() -> str:
-        from finetune_mcp.phases.brief import example_brief  # imported on use, like every phase module
+        from finetune_mcp.domain.brief import example_brief  # imported on use, like every phase module
 
         return example_brief()
 
@@ -165,7 +166,7 @@ def _register_brief_help(server: MCPServer, pc: PhaseContext, allowed: set[str])
         from mcp.shared.exceptions import MCPError
         from mcp_types import INVALID_PARAMS
 
-        from finetune_mcp.phases.dataset import draft_brief as draft  # imported on use, like every phase module
+        from finetune_mcp.domain.brief_draft import draft_brief as draft  # imported on first use: the server starts without it
 
         try:
             return draft(pc, goal=goal, base_model=base_model, data_file=data_file)

@@ -34,7 +34,7 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
     if os.environ.get("FINETUNE_MCP_MODULES_REPORT"):
         _report_modules_at_exit(os.environ["FINETUNE_MCP_MODULES_REPORT"])
-    from finetune_mcp.errors import FtError
+    from finetune_mcp.common.errors import FtError
 
     try:
         if args.transport == "stdio":
@@ -64,7 +64,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_triage(args) -> int:
-    from finetune_mcp.errors import FtError
+    from finetune_mcp.common.errors import FtError
     from finetune_mcp.triage import triage_log_file
 
     try:
@@ -104,7 +104,7 @@ def _stderr_progress(done: float, total: float | None = None, message: str | Non
 
 
 def _run_model_job(job: str, params: dict, timeout: float) -> dict | None:
-    from finetune_mcp.errors import FtError
+    from finetune_mcp.common.errors import FtError
     from finetune_mcp.worker import run_job
 
     try:
@@ -177,7 +177,7 @@ def cmd_models_list(args) -> int:
 
 def cmd_setup_roles(args) -> int:
     """The two-user layout on a workspace (osroles.py): prints what it changed, nothing when there was nothing to do."""
-    from finetune_mcp.errors import FtError
+    from finetune_mcp.common.errors import FtError
     from finetune_mcp.osroles import server_commands, setup_roles, warnings
     from finetune_mcp.workspace import Workspace
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from finetune_mcp.embedded import task
+from finetune_mcp.common import task
 
 TAG = "r8-demo"
 BAD_TAG = "lr-absurd"

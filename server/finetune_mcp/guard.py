@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from finetune_mcp.errors import BadInput, FtError, Forbidden
+from finetune_mcp.common.errors import BadInput, FtError, Forbidden
 from finetune_mcp.shipped import shipped_dir
 from finetune_mcp.workspace import Workspace, atomic_write_bytes, fsync_dir
 
@@ -56,11 +56,6 @@ def load_policy(role: str, roles_dir: Path | None = None) -> RolePolicy:
         raise BadInput(f"role policy is not valid YAML: {e}", where=str(path)) from None
     except ValidationError as e:
         raise BadInput(_explain_validation(e, RolePolicy), where=str(path), fix="correct the role policy") from None
-    from finetune_mcp.tools import NAMES
-
-    for t in policy.tools:
-        if t not in NAMES:
-            raise BadInput(f"role {role!r} lists unknown tool {t!r}{_did_you_mean(t, NAMES)}", where=f"{path}: tools")
     if policy.role != role:
         raise BadInput(f"role file {path.name} declares role {policy.role!r}", where=f"{path}: role", fix=f"set role: {role}")
     return policy

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import BadInput, NotFound
 
 
 @dataclass(frozen=True)

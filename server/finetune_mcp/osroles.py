@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune_mcp.errors import BadInput, Refused
+from finetune_mcp.common.errors import BadInput, Refused
 from finetune_mcp.workspace import EXPERIMENT_RE, RUN_ID_RE, Workspace
 
 ROOT_MODE = 0o755
@@ -300,7 +300,7 @@ def _as_user(who: Account, argv: list[str], cwd: Path, umask: int) -> subprocess
 _COMMIT_SUITE = """
 import sys
 from pathlib import Path
-from finetune_mcp.phases.gate import ensure_eval_repo
+from finetune_mcp.domain.suite import ensure_eval_repo
 from finetune_mcp.workspace import commit
 d, msg = Path(sys.argv[1]), sys.argv[2]
 ensure_eval_repo(d)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
-from finetune_mcp.errors import FtError
+from finetune_mcp.common.errors import FtError
 from finetune_mcp.workspace import utc_now
 
 LOCK_NAME = ".roadbook.lock"

@@ -26,6 +26,8 @@ class Args(_Model):
 
 
 RunRef = Annotated[str, Field(description="<experiment>/<YYYYMMDD-HHMM-tag>, as launch_run returned it")]
+ExperimentRef = Annotated[str, Field(description="the experiment's name, as prepare_dataset returned it (a folder under $DGX_SPARK_ROOT)")]
+TagRef = Annotated[str, Field(description="the tag generate_config committed the run's config under (configs/run-<tag>.yaml)")]
 
 
 class Result(_Model):
@@ -52,7 +54,7 @@ class PrepareDatasetArgs(Args):
     brief_path: Annotated[str, Field(description="the training-brief.md to execute")]
     source: Annotated[str, Field(description="JSONL/JSON/Parquet/CSV file or folder, a save_to_disk folder, or an HF dataset id: org/name, org/name:split or org/name:config:split")]
     dataset_name: Annotated[str | None, Field(description="name under $DGX_SPARK_ROOT/datasets/ (default: from the experiment)")] = None
-    eval_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.05
+    eval_fraction: Annotated[float, Field(ge=0.0, lt=0.5, description="share of the records held out as the eval split (0 to under 0.5)")] = 0.05
 
 
 class Problem(_Model):
@@ -177,9 +179,9 @@ class GenerateConfigArgs(Args):
     """Resolve the chosen method's recipe with the brief and memory budget (every value says where it came
     from), render train.py for the backend (Unsloth first, TRL+PEFT escape hatch) and commit config + script."""
 
-    experiment: str
+    experiment: ExperimentRef
     tag: Annotated[str, Field(description="what this run varies, e.g. r16-lr2e4; names configs/run-<tag>.yaml and the run id")]
-    backend: Literal["auto", "unsloth", "trl"] = "auto"
+    backend: Annotated[Literal["auto", "unsloth", "trl"], Field(description="training backend: auto picks Unsloth where the preflight found it importable and it trains the method on this platform, else TRL+PEFT")] = "auto"
     overrides: Annotated[dict[str, Any], Field(description="values for keys of the chosen method's recipe only")] = {}
 
 
@@ -226,16 +228,16 @@ class LaunchRunArgs(Args):
     """Start the committed config as a detached run that outlives this server. Refuses without a preflight,
     on blocked, on unaccepted warnings, on an uncommitted or changed config, on a busy GPU, on an existing run id."""
 
-    experiment: str
-    tag: str
+    experiment: ExperimentRef
+    tag: TagRef
     accept_warnings: Annotated[bool, Field(description="launch despite a ready-with-warnings preflight (the caller's decision)")] = False
-    launcher: Literal["local", "torchrun", "docker", "slurm"] = "local"
-    nproc: Annotated[int, Field(ge=1, le=64)] = 1
-    nodes: Annotated[int, Field(ge=1, le=64)] = 1
-    gpus_per_node: int | None = None
-    partition: str | None = None
+    launcher: Annotated[Literal["local", "torchrun", "docker", "slurm"], Field(description="how the run starts: a detached local process, torchrun, a docker container, or a Slurm job")] = "local"
+    nproc: Annotated[int, Field(ge=1, le=64, description="processes per node (torchrun, docker, slurm): one per GPU")] = 1
+    nodes: Annotated[int, Field(ge=1, le=64, description="Slurm nodes (1 elsewhere)")] = 1
+    gpus_per_node: Annotated[int | None, Field(description="Slurm GPUs per node, one trainer process each (unset: no GPUs asked for; processes follow nproc)")] = None
+    partition: Annotated[str | None, Field(description="Slurm partition (default: the cluster's)")] = None
     time_limit: Annotated[str | None, Field(description="Slurm time limit, e.g. 01:00:00")] = None
-    account: str | None = None
+    account: Annotated[str | None, Field(description="Slurm account to charge (default: the user's)")] = None
     resume_from: Annotated[str | None, Field(description="a failed or stopped run of this experiment (its id, or 'latest') to continue from its "
                                                           "newest checkpoint: optimizer, scheduler and RNG state restored, records continue at "
                                                           "the next step, in a new run beside it")] = None
@@ -253,7 +255,7 @@ class PollProgressArgs(Args):
 
     run_id: RunRef
     cursor: Annotated[int, Field(ge=0, description="next_cursor of the previous call, unchanged; 0 from the start")] = 0
-    limit: Annotated[int, Field(ge=1, le=5000)] = 200
+    limit: Annotated[int, Field(ge=1, le=5000, description="at most this many records per call; `more` says others are waiting")] = 200
     plot: Annotated[bool, Field(description="also return the loss curve as a PNG image")] = False
 
 
@@ -261,7 +263,7 @@ class StopRunArgs(Args):
     """SIGTERM to the run's process group (the trainer saves a checkpoint), then SIGKILL after the grace period."""
 
     run_id: RunRef
-    grace_seconds: Annotated[float, Field(ge=0, le=600)] = 30.0
+    grace_seconds: Annotated[float, Field(ge=0, le=600, description="seconds between SIGTERM (the trainer saves a checkpoint) and SIGKILL")] = 30.0
 
 
 class PruneCheckpointsArgs(Args):
@@ -353,7 +355,7 @@ class CompareRunsArgs(Args):
     """The runs of one experiment side by side: each config value that differs from the first run, final and best
     loss, eval loss and accuracy, wall time and tokens/s; and one PNG with their loss curves overlaid."""
 
-    experiment: str
+    experiment: ExperimentRef
     runs: Annotated[list[str] | None, Field(description="run ids to compare, the first being the baseline (default: every run of the experiment, oldest first)")] = None
     plot: Annotated[bool, Field(description="also return the overlaid loss curves as a PNG image")] = True
 
@@ -507,7 +509,7 @@ class RecordVerdictArgs(Args):
     that evaluation's signed figures; a PROMOTE against a failed check needs override_reason, which the verdict records."""
 
     run_id: RunRef
-    verdict: Literal["PROMOTE", "REJECT"]
+    verdict: Annotated[Literal["PROMOTE", "REJECT"], Field(description="PROMOTE lets export run for this adapter; REJECT stops it, with top_remediation")]
     evidence: Annotated[str, Field(min_length=1, description="what the verdict rests on (figures, eval report)")]
     top_remediation: Annotated[str, Field(description="for REJECT: the one change to try first")] = ""
     override_reason: Annotated[str, Field(description="PROMOTE only: why the run is promoted although the evaluation fails a check "
@@ -517,9 +519,9 @@ class RecordVerdictArgs(Args):
 class WriteEvalFileArgs(Args):
     """Create or replace a file under the experiment's eval/ (eval-engineer only)."""
 
-    experiment: str
+    experiment: ExperimentRef
     relpath: Annotated[str, Field(description="path inside eval/, e.g. prompts.jsonl, goldens.jsonl, drift.jsonl, eval.yaml")]
-    content: str
+    content: Annotated[str, Field(description="the file's whole new text (UTF-8); checked against the file's format before it is written")]
 
 
 class ExportArgs(Args):
@@ -527,8 +529,10 @@ class ExportArgs(Args):
     target runtime against 3-5 golden outputs. A REJECT is passed along with its evidence and remediation."""
 
     run_id: RunRef
-    format: Literal["lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"] | None = None
-    target_runtime: Literal["transformers", "vllm", "llama.cpp", "ollama"] | None = None
+    format: Annotated[Literal["lora", "merged-16bit", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"] | None,
+                      Field(description="artifact format (default: chosen from the brief's deployment target)")] = None
+    target_runtime: Annotated[Literal["transformers", "vllm", "llama.cpp", "ollama"] | None,
+                              Field(description="runtime the artifact is smoke-tested in (default: the brief's)")] = None
 
 
 class EvalResult(Result):

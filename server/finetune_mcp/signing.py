@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.errors import FtError, Refused
+from finetune_mcp.common.errors import FtError, Refused
 from finetune_mcp.workspace import Workspace
 
 KEY_DIR = ".finetune-mcp-keys"

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import BadInput, NotFound
 from finetune_mcp.shipped import shipped_dir
 
 _FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)

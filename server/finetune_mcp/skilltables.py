@@ -48,7 +48,7 @@ class DcFormat(Strict):
 
 
 class DcShape(Strict):
-    """A record shape prepare_dataset recognises (jobs/_convert.shape_of detects it)."""
+    """A record shape prepare_dataset recognises (common/convert.shape_of detects it)."""
 
     fields: list[str] = Field(min_length=1)
     origin: str = Field(description="the document that defines the shape")
@@ -57,7 +57,7 @@ class DcShape(Strict):
 class DcConversion(Strict):
     """A shape the tool rewrites into another shape or a format without losing anything."""
 
-    id: str = Field(pattern=r"^[a-z0-9-]+$", description="one converter in jobs/_convert.CONVERTERS")
+    id: str = Field(pattern=r"^[a-z0-9-]+$", description="one converter in common/convert.CONVERTERS")
     source: str = Field(description="the detected shape")
     target: str = Field(description="a format, or a shape another conversion takes on from")
     only_for: list[DcMethod] = Field(default_factory=list, description="methods it applies to (empty: every method the target fits)")
@@ -85,11 +85,11 @@ class DcFormatsTable(Strict):
 
     @_dc_model_validator(mode="after")
     def _consistent(self):
-        from finetune_mcp.jobs._convert import CONVERTERS
+        from finetune_mcp.common.convert import CONVERTERS
 
         ids = [c.id for c in self.conversions]
         if set(ids) != set(CONVERTERS) or len(ids) != len(set(ids)):
-            raise ValueError(f"conversion ids must be the converters of jobs/_convert.py, once each: {sorted(set(ids) ^ set(CONVERTERS))}")
+            raise ValueError(f"conversion ids must be the converters of common/convert.py, once each: {sorted(set(ids) ^ set(CONVERTERS))}")
         known = set(self.shapes) | set(self.formats)
         for c in self.conversions:
             if c.source not in self.shapes or c.target not in known:

@@ -1,17 +1,18 @@
 """The one table of tools: each tool's phase function, input and output model, roles, annotations and title.
 
-A tool's code is one hop from its name: the row for `launch_run` says `phase="run"`, and
-`finetune_mcp/phases/run.py` defines `def launch_run(pc, ...)`, taking exactly the fields of the row's
-input model as keywords. `check_table` proves that when a server starts, so a typo stops the server
-instead of surfacing at the first call. The phase modules themselves are imported on a tool's first
-call, not at start: with all of them imported the server answered its first request in 1.5x the bare
-SDK server's time (bench/bench_startup.py; the goal is 1.15x, and main measured 1.18x beside it); the check
-therefore reads each module's source for the function instead of importing it, and
-tests/test_server.py imports every one and compares its signature with its row.
+A tool's code is one hop from its name: the row for `launch_run` says `phase="launch_run"`, and
+`finetune_mcp/phases/launch_run.py` defines `def launch_run(pc, args: LaunchRunArgs)`, taking the row's input
+model (validated by the MCP layer, or by `call` below). `check_table` proves that when a server starts, so a
+typo stops the server instead of surfacing at the first call. The phase modules themselves are imported on a
+tool's first call, not at start: with all of them imported the server answered its first request in 1.5x the
+bare SDK server's time (bench/bench_startup.py; the goal is 1.15x); the check therefore reads each module's
+source for the function instead of importing it, and tests/test_server.py imports every one and compares its
+signature with its row.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import re
@@ -23,7 +24,7 @@ from typing import Any, Callable
 from mcp_types import ToolAnnotations
 
 from finetune_mcp import schemas as S
-from finetune_mcp.errors import FtError
+from finetune_mcp.common.errors import FtError
 
 TRAINING = ("training-engineer",)
 EVAL = ("eval-engineer",)
@@ -38,7 +39,7 @@ DELETES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempoten
 @dataclass(frozen=True)
 class Tool:
     name: str
-    phase: str  # finetune_mcp.phases.<phase> (or this dotted module) defines `def <name>(pc, **args)`
+    phase: str  # finetune_mcp.phases.<phase> (or this dotted module) defines `def <name>(pc, args: <its Args model>)`
     args: type[S.Args]
     result: type[S.Result]
     roles: tuple[str, ...]
@@ -66,21 +67,21 @@ def _function(module: str, name: str) -> Callable[..., S.Result]:
 
 
 TOOLS: tuple[Tool, ...] = (
-    Tool("prepare_dataset", "dataset", S.PrepareDatasetArgs, S.PrepareDatasetResult, TRAINING, WRITES,
+    Tool("prepare_dataset", "prepare_dataset", S.PrepareDatasetArgs, S.PrepareDatasetResult, TRAINING, WRITES,
          "Phase 2: prepare and validate the dataset"),
     Tool("preflight", "preflight", S.PreflightArgs, S.PreflightResult, TRAINING, WRITES, "Phase 3: check the machine"),
-    Tool("generate_config", "config", S.GenerateConfigArgs, S.GenerateConfigResult, TRAINING, WRITES_ANEW,
+    Tool("generate_config", "generate_config", S.GenerateConfigArgs, S.GenerateConfigResult, TRAINING, WRITES_ANEW,
          "Phase 4: resolve the config and train.py, commit them"),
-    Tool("launch_run", "run", S.LaunchRunArgs, S.LaunchResult, TRAINING, WRITES_ANEW, "Phase 4: launch training in the background"),
-    Tool("poll_progress", "run", S.PollProgressArgs, S.PollResult, BOTH, READ_ONLY, "Poll a run's progress"),
-    Tool("stop_run", "run", S.StopRunArgs, S.StopResult, TRAINING, DELETES, "Stop a run cleanly"),
-    Tool("compare_runs", "compare", S.CompareRunsArgs, S.CompareResult, BOTH, READ_ONLY, "Compare an experiment's runs"),
-    Tool("prune_checkpoints", "run", S.PruneCheckpointsArgs, S.PruneResult, TRAINING, DELETES, "Delete a succeeded run's checkpoints"),
-    Tool("triage_failure", "finetune_mcp.triage.tool", S.TriageFailureArgs, S.TriageResult, TRAINING, READ_ONLY, "Classify a failed run or log"),
+    Tool("launch_run", "launch_run", S.LaunchRunArgs, S.LaunchResult, TRAINING, WRITES_ANEW, "Phase 4: launch training in the background"),
+    Tool("poll_progress", "poll_progress", S.PollProgressArgs, S.PollResult, BOTH, READ_ONLY, "Poll a run's progress"),
+    Tool("stop_run", "stop_run", S.StopRunArgs, S.StopResult, TRAINING, DELETES, "Stop a run cleanly"),
+    Tool("compare_runs", "compare_runs", S.CompareRunsArgs, S.CompareResult, BOTH, READ_ONLY, "Compare an experiment's runs"),
+    Tool("prune_checkpoints", "prune_checkpoints", S.PruneCheckpointsArgs, S.PruneResult, TRAINING, DELETES, "Delete a succeeded run's checkpoints"),
+    Tool("triage_failure", "triage_failure", S.TriageFailureArgs, S.TriageResult, TRAINING, READ_ONLY, "Classify a failed run or log"),
     Tool("export", "export", S.ExportArgs, S.ExportResult, TRAINING, WRITES, "Phase 6: export a promoted run"),
-    Tool("evaluate_checkpoint", "gate", S.EvaluateCheckpointArgs, S.EvalResult, EVAL, WRITES, "Phase 5: evaluate a run"),
-    Tool("record_verdict", "gate", S.RecordVerdictArgs, S.VerdictResult, EVAL, WRITES_ANEW, "Phase 5: sign PROMOTE or REJECT"),
-    Tool("write_eval_file", "gate", S.WriteEvalFileArgs, S.WriteEvalFileResult, EVAL, DELETES,
+    Tool("evaluate_checkpoint", "evaluate_checkpoint", S.EvaluateCheckpointArgs, S.EvalResult, EVAL, WRITES, "Phase 5: evaluate a run"),
+    Tool("record_verdict", "record_verdict", S.RecordVerdictArgs, S.VerdictResult, EVAL, WRITES_ANEW, "Phase 5: sign PROMOTE or REJECT"),
+    Tool("write_eval_file", "write_eval_file", S.WriteEvalFileArgs, S.WriteEvalFileResult, EVAL, DELETES,
          "Write a file of an experiment's eval/ suite"),
 )
 
@@ -103,8 +104,11 @@ def check_table(role: str, allowed: list[str], where: str) -> list[Tool]:
         problems.append("two rows share a name")
     rows = for_role(role)
     mine = {t.name for t in rows}
-    if set(allowed) - mine:
-        problems.append(f"the policy allows {sorted(set(allowed) - mine)}, which the table gives no {role} row")
+    for t in sorted(set(allowed) - set(BY_NAME)):  # the role file's tool names are checked here, the table being above the guard
+        near = difflib.get_close_matches(t, NAMES, n=1)
+        problems.append(f"the policy lists unknown tool {t!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    if set(allowed) & set(BY_NAME) - mine:
+        problems.append(f"the policy allows {sorted(set(allowed) & set(BY_NAME) - mine)}, which the table gives no {role} row")
     if mine - set(allowed):
         problems.append(f"the table gives {role} {sorted(mine - set(allowed))}, which the policy does not allow")
     for t in rows:
@@ -143,15 +147,23 @@ def _missing_function(module: str, name: str) -> str | None:
     return None
 
 
+def call(name: str, pc, /, **kwargs) -> S.Result:
+    """Call a tool's phase function in this process, as the server does (its Args model validated from the
+    keywords), without MCP: for benchmarks, the CLI and tests."""
+    tool = BY_NAME[name]
+    return tool.function()(pc, tool.args.model_validate(kwargs))
+
+
 def signature_mismatch(tool: Tool) -> str | None:
-    """How the phase function's keywords differ from the row's input model (imports the module), or None."""
+    """How the phase function differs from `def <tool>(pc, args: <Args model>)` (imports the module), or None."""
     import inspect
 
-    params = list(inspect.signature(tool.function()).parameters.values())[1:]
-    got = {p.name: (p.default is inspect.Parameter.empty) for p in params}
-    want = {k: f.is_required() for k, f in tool.args.model_fields.items()}
-    if got != want:
-        return f"{tool.name}: function takes {got}, {tool.args.__name__} declares {want} (name: required)"
+    params = list(inspect.signature(tool.function()).parameters.values())
+    if [p.name for p in params] != ["pc", "args"]:
+        return f"{tool.name}: takes ({', '.join(p.name for p in params)}), not (pc, args)"
+    ann = params[1].annotation
+    if not (ann is tool.args or ann in (tool.args.__name__, f"S.{tool.args.__name__}")):
+        return f"{tool.name}: takes args: {ann}, the row says {tool.args.__name__}"
     return None
 
 

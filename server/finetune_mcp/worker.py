@@ -1,6 +1,6 @@
 """Runs heavy jobs (tokenize/pack, probe, evaluate, merge, convert) in a child of the training Python.
 
-The child speaks JSON lines on stdout (see jobs/_proto.py). The server never imports the heavy
+The child speaks JSON lines on stdout (see common/proto.py). The server never imports the heavy
 stack itself, so it starts fast, stays small and survives a crash of that stack.
 """
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from finetune_mcp.errors import JobFailed, from_dict
+from finetune_mcp.common.errors import JobFailed, from_dict
 
 ProgressFn = Callable[[float, float | None, str | None], None]
 _PKG_DIR = Path(__file__).resolve().parent
@@ -73,7 +73,7 @@ JOB_TIMEOUT_DEFAULT_S = 3600.0  # a job that names no limit of its own (building
 # A job outlives nothing it works for. Each job holds the read end of a pipe whose only write end this process
 # keeps (os.pipe's ends are not inherited across exec, so no run, tool or worker ever holds it): the kernel
 # closes it when this process ends, however it ends (kill -9 included), and the job's watchdog thread
-# (jobs/_proto.py) reads EOF, removes the job's scratch paths and kills the job's process group. A death
+# (common/proto.py) reads EOF, removes the job's scratch paths and kills the job's process group. A death
 # signal (PR_SET_PDEATHSIG) would not do: it fires when the *thread* that started the child ends (tool calls
 # run in pool threads that come and go), and it does not pass through the warm worker's fork. Detached
 # training runs get no lifeline: they are meant to outlive the server.

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.errors import BadInput, FtError, NotFound
+from finetune_mcp.common.errors import BadInput, FtError, NotFound
+from finetune_mcp.common.files import process_umask
 
 TAG_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,47}\Z")
 RUN_ID_RE = re.compile(r"\A\d{8}-\d{4}-[A-Za-z0-9][A-Za-z0-9._-]{0,47}\Z")
@@ -179,19 +180,6 @@ def parse_run_ref(run_ref: str) -> tuple[str, str]:
 
 # ---------------------------------------------------------------- atomic writes
 
-def process_umask() -> int:
-    """The umask, read without changing it (os.umask would, for a moment, for every thread)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -> Path:
     """Write via a temp file in the same directory + rename, so readers never see a partial file.
 
@@ -239,14 +227,14 @@ def atomic_write_json(path: Path | str, obj: Any, mode: int | None = None) -> Pa
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n", mode)
 
 
-def read_json(path: Path | str) -> Any:
-    path = Path(path)
+def read_json_file(path: Path | str) -> dict | None:
+    """A JSON file's object, or None when it is missing, unreadable or not an object: the one reader of the
+    state files (exit.json, env-report.json, run.json...), where a file mid-write reads as absent."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NotFound(f"{path.name} not found", where=str(path)) from None
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{path.name} is not valid JSON: {e.msg}", where=f"{path}:{e.lineno}:{e.colno}") from None
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
 
 
 def utc_now() -> str:

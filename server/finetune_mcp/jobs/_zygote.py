@@ -18,7 +18,7 @@ from (the imports leave two native helper threads, torch's and pyarrow's jemallo
 reaches EOF), when told to (a line "exit" on stdin), or after FINETUNE_MCP_WORKER_IDLE_S seconds
 with no job running (default 900), giving its memory back; the folder worker.py made for SOCKET goes with it
 (nobody else is left to remove it when the parent was killed). A job it forked lives on until it ends or the
-server is gone (worker.py's lifeline, which every child inherits: jobs/_proto.py watches it).
+server is gone (worker.py's lifeline, which every child inherits: common/proto.py watches it).
 
 Stdlib only (the preloads are optional): this runs in the training Python.
 """

@@ -10,7 +10,7 @@ recognises pre-tokenizers by a hash of the ids it gets for a fixed text, and thi
 so its hash is unknown there: map it to the "gpt-2" pre-tokenizer.
 
 The model is a standard LlamaForCausalLM (untied embeddings). Its weights are random: the synthetic
-task in finetune_mcp.embedded.task is what it learns, fast enough on a CPU for tests and demos.
+task in finetune_mcp.common.task is what it learns, fast enough on a CPU for tests and demos.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from finetune_mcp.embedded import task
-from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+from finetune_mcp.common import task
+from finetune_mcp.common.files import process_umask
+from finetune_mcp.common.proto import JobError, emit_progress, run_main
+from finetune_mcp.common.shapes import TINY_MODEL_SHAPE, TINY_VOCAB_SIZE
 
 MODEL_NAME = "finetune-mcp-tiny"
 # Bump when anything below changes what gets written: an older build is then replaced.
@@ -35,24 +37,6 @@ BUILDER = "finetune_mcp.jobs.build_tiny_model"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
-# 256 byte symbols + 3 specials + merges. Large enough that every task word, with and without a
-# leading space, gets merged into one token (build() checks this).
-VOCAB_SIZE = 640
-
-MODEL_SHAPE = {
-    "hidden_size": 64,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    # At the usual 0.02 a model this small starts nearly flat and the loss barely moves.
-    "initializer_range": 0.1,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
-
 # ChatML. The generation markers let transformers (return_assistant_tokens_mask) and TRL
 # (assistant_only_loss) find the assistant tokens; <|im_end|> sits inside them so the model
 # learns to stop.
@@ -121,7 +105,7 @@ def build_tokenizer():
     # mask (char_to_token) relies on.
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=TINY_VOCAB_SIZE,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -133,14 +117,14 @@ def build_tokenizer():
         raise JobError(
             f"tokenizer build: task words not merged into one token: {split}",
             kind="JobFailed",
-            fix="raise VOCAB_SIZE in finetune_mcp/jobs/build_tiny_model.py",
+            fix="raise TINY_VOCAB_SIZE in finetune_mcp/common/shapes.py",
         )
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         chat_template=CHAT_TEMPLATE,
-        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+        model_max_length=TINY_MODEL_SHAPE["max_position_embeddings"],
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
@@ -158,7 +142,7 @@ def build_model(tokenizer, seed: int = 0):
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        **MODEL_SHAPE,
+        **TINY_MODEL_SHAPE,
     )
     # Fork the RNG so an in-process build neither depends on nor disturbs the caller's random state.
     with torch.random.fork_rng(devices=[]):
@@ -256,8 +240,6 @@ def build(target_dir: str | os.PathLike | None = None, seed: int = 0, progress: 
 def _usual_modes(folder: Path) -> None:
     """mkdtemp makes a 0700 folder and safetensors writes 0600: give the model the umask's usual modes, so that an
     eval role running as another OS user (finetune-mcp setup-roles) can load it."""
-    from finetune_mcp.workspace import process_umask
-
     mask = process_umask()
     for p in [folder, *folder.rglob("*")]:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)

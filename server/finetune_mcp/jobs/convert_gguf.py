@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+from finetune_mcp.common.proto import JobError, emit_progress, run_main
 
 PROVENANCE_JSON = "provenance.json"
 PROVENANCE_MD = "PROVENANCE.md"
@@ -127,27 +127,12 @@ def public_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in meta.items() if not k.startswith("_")}
 
 
-def convert(P: dict[str, Any]) -> dict[str, Any]:
+def load_rebuilt(src: Path, meta: dict[str, Any], dtype):
+    """The GGUF's tokenizer and model as transformers loads them, and the same weights in a model rebuilt from the
+    config without the GGUF quantization config (what save_pretrained then writes as plain safetensors), and that config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    src = Path(P["gguf"]).expanduser().resolve()
-    if not src.is_file():
-        raise JobError(f"no GGUF file at {src}", kind="NotFound", where=str(src), fix="give the path of a .gguf file")
-    emit_progress(0, STEPS, "reading metadata")
-    meta = read_metadata(src)
-    check_convertible(meta, src)
-    if P.get("inspect_only"):
-        return {"gguf": str(src), "metadata": public_meta(meta), "default_name": default_name(meta, src)}
-    target = Path(P["target_dir"]) if P.get("target_dir") else Path(P["base_models_dir"]) / (P.get("name") or default_name(meta, src))
-    target = target.expanduser()
-    if target.exists() and not P.get("force"):
-        raise JobError(f"{target} already exists", kind="Conflict", where=str(target),
-                       fix="pick another --name, or pass --force to replace it")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[P.get("dtype") or "float32"]
-
-    emit_progress(1, STEPS, "hashing the source file")
-    digest = sha256_file(src)
     emit_progress(2, STEPS, f"loading and dequantizing {sum(meta['tensor_types'].values())} tensors")
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=dtype)
@@ -167,6 +152,41 @@ def convert(P: dict[str, Any]) -> dict[str, Any]:
                        f"(missing {missing[:5]}, unexpected {unexpected[:5]})", kind="Refused", where=str(src))
     model.tie_weights()
     model.generation_config = loaded.generation_config
+    return tok, loaded, model, config
+
+
+def _place(tmp: Path, target: Path) -> None:
+    """Put the written folder at target; a folder already there (--force) is replaced whole."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
+def convert(P: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    src = Path(P["gguf"]).expanduser().resolve()
+    if not src.is_file():
+        raise JobError(f"no GGUF file at {src}", kind="NotFound", where=str(src), fix="give the path of a .gguf file")
+    emit_progress(0, STEPS, "reading metadata")
+    meta = read_metadata(src)
+    check_convertible(meta, src)
+    if P.get("inspect_only"):
+        return {"gguf": str(src), "metadata": public_meta(meta), "default_name": default_name(meta, src)}
+    target = Path(P["target_dir"]) if P.get("target_dir") else Path(P["base_models_dir"]) / (P.get("name") or default_name(meta, src))
+    target = target.expanduser()
+    if target.exists() and not P.get("force"):
+        raise JobError(f"{target} already exists", kind="Conflict", where=str(target),
+                       fix="pick another --name, or pass --force to replace it")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[P.get("dtype") or "float32"]
+
+    emit_progress(1, STEPS, "hashing the source file")
+    digest = sha256_file(src)
+    tok, loaded, model, config = load_rebuilt(src, meta, dtype)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.convert-", dir=target.parent))
@@ -195,13 +215,7 @@ def convert(P: dict[str, Any]) -> dict[str, Any]:
         (tmp / PROVENANCE_JSON).write_text(json.dumps(prov, indent=2) + "\n")
         (tmp / PROVENANCE_MD).write_text(_provenance_md(prov))
         _usual_modes(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        _place(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -28,10 +28,12 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+from finetune_mcp.common import scoring
+from finetune_mcp.common.proto import JobError, emit_progress, run_main
 
 DEFAULT_BATCH = 64
 LOGITS_BUDGET = 256 * 1024 * 1024  # bytes of float32 logits per teacher-forced pass
@@ -599,31 +601,80 @@ def merge_adapter(model) -> str | None:
 # ---------------------------------------------------------------- the job
 
 
+class _Clock:
+    """Seconds per named stage, summed when a stage comes back (timings in the result)."""
+
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings[name] = round(self.timings.get(name, 0.0) + now - self.t, 3)
+        self.t = now
+
+
+@dataclass
+class _Inputs:
+    """What every pass needs: the model (base + adapter), the tokenized prompts and the decoding limits."""
+
+    tok: Any
+    model: Any
+    prompts: list
+    goldens: list
+    drift: list
+    specs: list
+    task_ids: list
+    drift_ids: list
+    windows: list
+    pairs: list
+    pad: int
+    max_length: int
+    mnt: int
+    dmnt: int
+    bs: int
+
+
+@dataclass
+class _Base:
+    """The base model's answers, general-prompt continuations (their step logits kept for the KL), perplexity and loss."""
+
+    outs: list
+    drift_gens: list
+    steps: "StepStore"
+    ppl_nll: list
+    loss: float | None
+
+
+TOTAL = 6
+
+
 def evaluate(params: dict[str, Any]) -> dict[str, Any]:
+    """load -> base passes (adapter disabled) -> merge -> fine-tuned passes -> report."""
     import torch
 
-    from finetune_mcp import scoring
-
     torch.manual_seed(0)
+    clock = _Clock()
+    emit_progress(0, None, "loading base model and adapter")
+    inp = _load(params)
+    clock.lap("load")
+    base = _base_passes(inp, clock)
+    unmerged = merge_adapter(inp.model)
+    clock.lap("merge")
+    items, gold = _tuned_answers(inp, base, clock)
+    kl, ppl, eval_loss = _tuned_measures(inp, base, clock)
+    emit_progress(TOTAL, TOTAL, "done")
+    return _report(inp, items, gold, kl, ppl, eval_loss, base.loss, unmerged, clock.timings)
+
+
+def _load(params: dict[str, Any]) -> _Inputs:
     base_model, adapter_dir = params["base_model"], params["adapter_dir"]
     prompts = params.get("prompts") or []
     goldens = params.get("goldens") or []
     drift = params.get("drift") or []
-    bs = int(params.get("batch_size") or DEFAULT_BATCH)
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[name] = round(timings.get(name, 0.0) + now - clock, 3)
-        clock = now
-
     specs = [scoring.parse_spec(it["scorer"], f"prompts[{i}].scorer") for i, it in enumerate(prompts)]
     tok = load_tokenizer(base_model)
-    emit_progress(0, None, "loading base model and adapter")
     model = load_adapted(base_model, adapter_dir)
-    lap("load")
     max_length = int(params.get("max_length") or getattr(tok, "model_max_length", 2048) or 2048)
     max_length = min(max_length, 8192)
 
@@ -632,82 +683,94 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
         lens = [len(tok(a, add_special_tokens=False)["input_ids"]) for p in prompts for a in scoring.accepted(p["expected"])]
         lens += [len(tok(g["output"], add_special_tokens=False)["input_ids"]) for g in goldens if g.get("output")]
         mnt = (max(lens) if lens else 24) + 8
-    mnt, dmnt = int(mnt), int(params.get("drift_max_new_tokens") or 32)
-
-    task_ids = [prompt_ids(tok, it["prompt"]) for it in prompts]
-    drift_ids = [prompt_ids(tok, d["prompt"]) for d in drift]
     windows = text_windows(tok, params["general_text"], int(params.get("perplexity_window") or 512),
                            int(params.get("perplexity_max_tokens") or 4096)) if params.get("general_text") else []
     limit = int(params.get("max_loss_rows") or 256)
     rows = read_rows(params["loss_file"], limit) if params.get("loss_file") else (params.get("loss_rows") or [])[:limit]
-    pairs = [p for p in (loss_pair(r) for r in rows) if p is not None]
-    pad = pad_id(tok, stop_ids(tok, model))
-    total = 6
+    return _Inputs(
+        tok=tok, model=model, prompts=prompts, goldens=goldens, drift=drift, specs=specs,
+        task_ids=[prompt_ids(tok, it["prompt"]) for it in prompts], drift_ids=[prompt_ids(tok, d["prompt"]) for d in drift],
+        windows=windows, pairs=[p for p in (loss_pair(r) for r in rows) if p is not None], pad=pad_id(tok, stop_ids(tok, model)),
+        max_length=max_length, mnt=int(mnt), dmnt=int(params.get("drift_max_new_tokens") or 32),
+        bs=int(params.get("batch_size") or DEFAULT_BATCH))
 
-    # Every base pass first, with the adapter disabled; then the adapter is merged for the fine-tuned passes (no
-    # base pass follows, so the base weights are never un-merged with rounding). The base model answers the task
-    # prompts and continues the general prompts in one set of batches (fewer decoding steps), keeping its step
-    # logits on the general prompts for the KL.
+
+def _base_passes(inp: _Inputs, clock: _Clock) -> _Base:
+    """Every base pass first, with the adapter disabled; then the adapter is merged for the fine-tuned passes (no
+    base pass follows, so the base weights are never un-merged with rounding). The base model answers the task
+    prompts and continues the general prompts in one set of batches (fewer decoding steps), keeping its step
+    logits on the general prompts for the KL."""
+    model, tok, n_task = inp.model, inp.tok, len(inp.task_ids)
     steps = StepStore()
 
     def keep(rows, step_logits):
         for j, t in zip(rows, step_logits):
             if t is not None:
-                steps.put(j - len(task_ids), t)
+                steps.put(j - n_task, t)
 
-    emit_progress(1, total, f"base model: {len(prompts)} task prompts, {len(drift)} general prompts")
+    emit_progress(1, TOTAL, f"base model: {len(inp.prompts)} task prompts, {len(inp.drift)} general prompts")
     with model.disable_adapter():
-        gens = generate_ids(model, tok, task_ids + drift_ids, [mnt] * len(task_ids) + [dmnt] * len(drift_ids), bs,
-                            on_batch=keep, want_logits=[False] * len(task_ids) + [True] * len(drift_ids))
-        lap("generate_base")
-        emit_progress(2, total, f"base model: perplexity, eval loss on {len(pairs)} rows")
-        ppl_base = nll_sums(model, windows, [1] * len(windows), pad) if windows else []
-        lap("perplexity")
-        base_loss = mean_loss(model, tok, pairs, max_length) if pairs else None
-        lap("eval_loss")
-    base_outs, drift_gens = gens[:len(task_ids)], gens[len(task_ids):]
-    unmerged = merge_adapter(model)
-    lap("merge")
+        gens = generate_ids(model, tok, inp.task_ids + inp.drift_ids, [inp.mnt] * n_task + [inp.dmnt] * len(inp.drift_ids), inp.bs,
+                            on_batch=keep, want_logits=[False] * n_task + [True] * len(inp.drift_ids))
+        clock.lap("generate_base")
+        emit_progress(2, TOTAL, f"base model: perplexity, eval loss on {len(inp.pairs)} rows")
+        ppl_base = nll_sums(model, inp.windows, [1] * len(inp.windows), inp.pad) if inp.windows else []
+        clock.lap("perplexity")
+        base_loss = mean_loss(model, tok, inp.pairs, inp.max_length) if inp.pairs else None
+        clock.lap("eval_loss")
+    return _Base(gens[:n_task], gens[n_task:], steps, ppl_base, base_loss)
 
-    emit_progress(3, total, f"fine-tuned model: {len(prompts)} task prompts, {len(goldens)} goldens")
-    outs = generate_ids(model, tok, task_ids, mnt, bs)
-    lap("generate_tuned")
+
+def _tuned_answers(inp: _Inputs, base: _Base, clock: _Clock) -> tuple[list[dict], list[dict]]:
+    """The fine-tuned model's answers scored beside the base model's, and its golden outputs."""
+    model, tok = inp.model, inp.tok
+    emit_progress(3, TOTAL, f"fine-tuned model: {len(inp.prompts)} task prompts, {len(inp.goldens)} goldens")
+    outs = generate_ids(model, tok, inp.task_ids, inp.mnt, inp.bs)
+    clock.lap("generate_tuned")
     items = []
-    for it, spec, (out, _, _), (base_out, _, _) in zip(prompts, specs, outs, base_outs):
+    for it, spec, (out, _, _), (base_out, _, _) in zip(inp.prompts, inp.specs, outs, base.outs):
         s, b = scoring.score(spec, out, it["expected"]), scoring.score(spec, base_out, it["expected"])
         change = "improved" if s.correct and not b.correct else "regressed" if b.correct and not s.correct else "unchanged"
         items.append({"prompt": it["prompt"], "expected": it["expected"], "scorer": spec.to_json(), "scorer_label": spec.label(),
                       "output": out, "base_output": base_out, "correct": s.correct, "base_correct": b.correct,
                       "score": s.value, "base_score": b.value, "answer": s.answer, "base_answer": b.answer, "change": change})
     gold = []
-    for g, (out, toks) in zip(goldens, generate_golden_batch(model, tok, [g["prompt"] for g in goldens], mnt)):
+    for g, (out, toks) in zip(inp.goldens, generate_golden_batch(model, tok, [g["prompt"] for g in inp.goldens], inp.mnt)):
         rec = {"prompt": g["prompt"], "output": out, "tokens": toks}
         if g.get("output") is not None:
             rec["golden"] = g["output"]
             rec["match"] = scoring.collapse(out) == scoring.collapse(g["output"])
         gold.append(rec)
-    lap("goldens")
+    clock.lap("goldens")
+    return items, gold
 
-    emit_progress(4, total, f"fine-tuned model: KL on {len(drift)} general prompts, perplexity")
-    kl = drift_kl(model, tok, drift_ids, drift_gens, steps, [d["prompt"] for d in drift]) if drift else \
+
+def _tuned_measures(inp: _Inputs, base: _Base, clock: _Clock) -> tuple[dict, dict, float | None]:
+    """KL to the base model on the general prompts, the perplexity ratio and the eval loss, fine-tuned."""
+    model, tok = inp.model, inp.tok
+    emit_progress(4, TOTAL, f"fine-tuned model: KL on {len(inp.drift)} general prompts, perplexity")
+    kl = drift_kl(model, tok, inp.drift_ids, base.drift_gens, base.steps, [d["prompt"] for d in inp.drift]) if inp.drift else \
         {"kl": None, "kl_tokens": 0, "changed_share": None, "items": []}
-    steps.close()
-    lap("drift_kl_pass")
+    base.steps.close()
+    clock.lap("drift_kl_pass")
     ppl = {"base": None, "tuned": None, "ratio": None, "tokens": 0}
-    if windows:
-        pb, pt = perplexity(ppl_base), perplexity(nll_sums(model, windows, [1] * len(windows), pad))
-        ppl = {"base": pb, "tuned": pt, "ratio": pt / pb, "tokens": sum(c for _, c in ppl_base)}
-    lap("perplexity")
-    emit_progress(5, total, f"fine-tuned model: eval loss on {len(pairs)} rows")
-    eval_loss = mean_loss(model, tok, pairs, max_length) if pairs else None
-    lap("eval_loss")
-    emit_progress(total, total, "done")
+    if inp.windows:
+        pb, pt = perplexity(base.ppl_nll), perplexity(nll_sums(model, inp.windows, [1] * len(inp.windows), inp.pad))
+        ppl = {"base": pb, "tuned": pt, "ratio": pt / pb, "tokens": sum(c for _, c in base.ppl_nll)}
+    clock.lap("perplexity")
+    emit_progress(5, TOTAL, f"fine-tuned model: eval loss on {len(inp.pairs)} rows")
+    eval_loss = mean_loss(model, tok, inp.pairs, inp.max_length) if inp.pairs else None
+    clock.lap("eval_loss")
+    return kl, ppl, eval_loss
+
+
+def _report(inp: _Inputs, items, gold, kl, ppl, eval_loss, base_loss, unmerged, timings) -> dict[str, Any]:
+    import peft
+    import torch
+    import transformers
 
     def share(xs, key):
         return sum(1 for x in xs if x[key]) / len(xs) if xs else None
-
-    import peft
-    import transformers
 
     return {
         "items": items,
@@ -723,10 +786,10 @@ def evaluate(params: dict[str, Any]) -> dict[str, Any]:
         "perplexity": ppl,
         "eval_loss": eval_loss if eval_loss is None or math.isfinite(eval_loss) else None,
         "base_eval_loss": base_loss,
-        "loss_rows": len(pairs),
-        "max_new_tokens": mnt,
-        "drift_max_new_tokens": dmnt,
-        "batch_size": bs,
+        "loss_rows": len(inp.pairs),
+        "max_new_tokens": inp.mnt,
+        "drift_max_new_tokens": inp.dmnt,
+        "batch_size": inp.bs,
         "adapter_merged": unmerged is None,
         **({"unmerged_because": unmerged} if unmerged else {}),
         "timings": timings,

@@ -34,10 +34,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+from finetune_mcp.common.proto import JobError, emit_progress, run_main
 from finetune_mcp.jobs.evaluate import generate_ids, load_adapted, load_model, load_tokenizer, prompt_ids, prompt_text, resolve_model, stop_ids
 
 CONVERTER_TIMEOUT_S = 4 * 3600.0
@@ -247,209 +248,278 @@ def _smoke_vllm(model_dir: str, adapter: str | None, tok, goldens, mnt, stops: l
 # ---------------------------------------------------------------- the job
 
 
+@dataclass
+class _Built:
+    """An artifact built in the work folder, where it goes, and the model its transformers smoke test loads."""
+
+    art: Path
+    final: Path
+    model_for_smoke: Any = None
+
+
+class _Export:
+    """One export's settings and its running record (commands to reproduce it, notes for the report)."""
+
+    def __init__(self, params: dict[str, Any]):
+        self.params = params
+        self.fmt, self.runtime, self.smoke_rt = params["format"], params["runtime"], params["smoke_runtime"]
+        self.base_model, self.adapter_dir = params["base_model"], params["adapter_dir"]
+        self.goldens, self.mnt = params["goldens"], int(params.get("max_new_tokens") or 32)
+        self.export_dir, self.merged_dir = Path(params["export_dir"]), Path(params["merged_dir"])
+        self.threads = int(params.get("threads") or max(1, min(8, os.cpu_count() or 1)))
+        self.commands: list[str] = []
+        self.notes: list[str] = []
+
+
 def export(params: dict[str, Any]) -> dict[str, Any]:
+    """check -> reference outputs (base + adapter) -> build -> smoke test -> judge -> place."""
     import torch
 
     torch.manual_seed(0)
-    fmt, runtime, smoke_rt = params["format"], params["runtime"], params["smoke_runtime"]
-    base_model, adapter_dir = params["base_model"], params["adapter_dir"]
-    goldens, mnt = params["goldens"], int(params.get("max_new_tokens") or 32)
-    export_dir, merged_dir = Path(params["export_dir"]), Path(params["merged_dir"])
-    threads = int(params.get("threads") or max(1, min(8, os.cpu_count() or 1)))
-    export_dir.mkdir(parents=True, exist_ok=True)
-    commands: list[str] = []
-    notes: list[str] = []
+    x = _Export(params)
+    x.export_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-
-    if fmt.startswith("gguf-"):
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            raise JobError("llama-cpp-python is not installed in the training environment, so GGUF cannot be quantized or smoke-tested",
-                           kind="Refused", fix="pip install 'finetune-mcp[export]' (or llama-cpp-python) into the training Python") from None
-        if not params.get("converter"):
-            raise JobError("no llama.cpp converter was given", kind="Refused")
-
-    tok = load_tokenizer(base_model)
+    _check_can_export(x)
+    tok = load_tokenizer(x.base_model)
     if params.get("modelfile") and chat_family(tok) != "chatml":
         raise JobError("the Ollama Modelfile is written for ChatML chat templates, and this model's template is not ChatML",
                        kind="Refused", fix="export for llama.cpp instead (the GGUF carries the model's own chat template), or write the Modelfile TEMPLATE by hand")
 
     emit_progress(0, 4, "pre-export outputs: base + adapter in transformers")
-    ref = load_adapted(base_model, adapter_dir)
-    pre = _smoke_transformers(ref, tok, goldens, mnt)
+    ref = load_adapted(x.base_model, x.adapter_dir)
+    pre = _smoke_transformers(ref, tok, x.goldens, x.mnt)
     stops = stop_ids(tok, ref)
 
-    work = Path(tempfile.mkdtemp(prefix=f".export-{fmt}-", dir=export_dir))
+    work = Path(tempfile.mkdtemp(prefix=f".export-{x.fmt}-", dir=x.export_dir))
     try:
-        emit_progress(1, 4, f"building {fmt}")
-        if fmt == "lora":
-            art = work / "lora"
-            shutil.copytree(adapter_dir, art)
-            tok.save_pretrained(art)
-            final = export_dir / "lora"
-            model_for_smoke = None
-            if smoke_rt == "transformers":
-                from peft import PeftModel
-
-                model_for_smoke = PeftModel.from_pretrained(load_model(base_model), str(art)).eval()
-        elif fmt == "merged-16bit":
-            cfg = json.loads((Path(resolve_model(base_model)) / "config.json").read_text()) if Path(resolve_model(base_model)).is_dir() else {}
-            dtype = torch.float16 if str(cfg.get("dtype") or cfg.get("torch_dtype")) == "float16" else torch.bfloat16
-            merged = ref.merge_and_unload().to(dtype)
-            art = work / "merged"
-            merged.save_pretrained(art, safe_serialization=True)
-            tok.save_pretrained(art)
-            del merged, ref
-            final = merged_dir
-            notes.append(f"merged in float32, saved as {str(dtype).replace('torch.', '')}")
-            model_for_smoke = load_model(str(art), str(dtype).replace("torch.", "")) if smoke_rt == "transformers" else None
-        else:
-            hf = work / "hf"
-            merged = ref.merge_and_unload()
-            merged.save_pretrained(hf, safe_serialization=True)
-            tok.save_pretrained(hf)
-            n_params = sum(p.numel() for p in merged.parameters())
-            del merged, ref
-            quant = fmt != "gguf-f16"
-            outtype = "f16" if not quant else ("f32" if n_params * 4 < 8e9 else "auto")
-            stem = params.get("name") or "model"
-            converted = work / (f"{stem}-{outtype}.gguf" if quant else f"{stem}-f16.gguf")
-            pre_tok = params.get("pre_tokenizer") or ("gpt-2" if gpt2_byte_level(hf) else "")
-            cmd = [sys.executable, "-c", CONVERTER_SHIM, params["converter"], str(hf), "--outfile", str(converted), "--outtype", outtype]
-            commands.append(f"FINETUNE_MCP_GGUF_PRE={pre_tok or '(unset)'} python convert_hf_to_gguf.py {hf.name}/ --outfile {converted.name} --outtype {outtype}"
-                            f"   # converter: {params['converter']}, run through finetune-mcp's in-memory shim")
-            env = {**os.environ, "FINETUNE_MCP_GGUF_PRE": pre_tok}
-            try:
-                # The converter reads the whole model once; hours means it is stuck, not slow.
-                p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CONVERTER_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise JobError(f"llama.cpp's converter did not finish within {CONVERTER_TIMEOUT_S:.0f}s", kind="JobFailed",
-                               where=" ".join(cmd[:1] + cmd[3:]), fix="run the command by hand to see where it stops") from None
-            if p.returncode != 0 or not converted.is_file():
-                tail = (p.stderr or p.stdout)[-3000:]
-                hint = "the converter does not know this tokenizer's pre-tokenizer; set FINETUNE_MCP_GGUF_PRE_TOKENIZER to the llama.cpp name it matches (e.g. gpt-2, llama-bpe, qwen2)" \
-                    if "pre-tokenizer was not recognized" in tail else "its output ends with the lines shown"
-                raise JobError(f"llama.cpp's converter failed (exit {p.returncode}):\n{tail}", kind="JobFailed", where=" ".join(cmd[:1] + cmd[3:]), fix=hint)
-            if pre_tok and "pre-tokenizer hash not in the converter's table" in p.stderr:
-                notes.append(f"the converter did not know this tokenizer's hash; mapped to llama.cpp pre-tokenizer {pre_tok!r}")
-            shutil.rmtree(hf, ignore_errors=True)
-            if quant:
-                import ctypes
-
-                import llama_cpp
-
-                qparams = llama_cpp.llama_model_quantize_default_params()
-                qparams.ftype = getattr(llama_cpp, params["llama_ftype"])
-                qparams.nthread = threads
-                art = work / f"{stem}-{fmt.removeprefix('gguf-')}.gguf"
-                emit_progress(2, 4, f"quantizing to {fmt}")
-                rc = llama_cpp.llama_model_quantize(str(converted).encode(), str(art).encode(), ctypes.byref(qparams))
-                commands.append(f"llama_cpp.llama_model_quantize({converted.name}, {art.name}, ftype={params['llama_ftype']})"
-                                f"   # = llama-quantize {converted.name} {art.name} {fmt.removeprefix('gguf-').upper()}")
-                if rc != 0 or not art.is_file():
-                    raise JobError(f"llama_model_quantize returned {rc}", kind="JobFailed", where=str(converted))
-                converted.unlink()
-            else:
-                art = converted
-            final = export_dir / art.name
-            model_for_smoke = None
-
-        emit_progress(3, 4, f"smoke test in {smoke_rt}")
-        smoke: dict[str, Any] = {"runtime": smoke_rt, "ran": False, "reason": None}
-        post = None
-        if smoke_rt == "transformers":
-            post = _smoke_transformers(model_for_smoke, tok, goldens, mnt)
-        elif smoke_rt == "llama.cpp":
-            post = _smoke_llama_cpp(art, tok, goldens, mnt, threads, stops)
-        elif smoke_rt == "vllm":
-            why = _vllm_unavailable()
-            if why:
-                smoke["reason"] = why
-            else:
-                post = _smoke_vllm(str(art) if fmt != "lora" else resolve_model(base_model), str(art) if fmt == "lora" else None, tok, goldens, mnt, stops)
-
+        emit_progress(1, 4, f"building {x.fmt}")
+        built = (_build_lora(x, tok, work) if x.fmt == "lora" else
+                 _build_merged(x, tok, work, ref) if x.fmt == "merged-16bit" else _build_gguf(x, tok, work, ref))
+        del ref
+        emit_progress(3, 4, f"smoke test in {x.smoke_rt}")
+        smoke, post = _run_smoke(x, tok, built, stops)
         if params.get("modelfile"):
-            mf = work / "Modelfile"
-            mf.write_text(
-                f"# Ollama Modelfile written by finetune-mcp export for {params.get('run_id', '')}\n"
-                f"FROM ./{final.name}\n"
-                f'TEMPLATE """{CHATML_MODELFILE_TEMPLATE}"""\n'
-                'PARAMETER stop "<|im_end|>"\n'
-                'PARAMETER stop "<|im_start|>"\n',
-                encoding="utf-8",
-            )
-            smoke["modelfile_template_match"] = all(
-                render_chatml(g["prompt"] if isinstance(g["prompt"], list) else [{"role": "user", "content": g["prompt"]}]) == prompt_text(tok, g["prompt"])
-                for g in goldens
-            )
-
-        items = []
-        margin = params.get("max_tie_margin")
+            _write_modelfile(x, tok, work, built, smoke)
+        items = _compare(x, tok, pre, post, built) if post is not None else []
         if post is not None:
             smoke["ran"] = True
-            gaps: list[list[float] | None] = [None] * len(post)
-            if margin is not None:
-                emit_progress(3, 4, "scoring the artifact's answers with the float32 reference")
-                model_for_smoke = None
-                reference = load_adapted(base_model, adapter_dir)
-                gaps = [logit_gaps(reference, tok, g["prompt"], b["tokens"], b["end_ids"]) for g, b in zip(goldens, post)]
-                del reference
-            for g, a, b, gp in zip(goldens, pre, post, gaps):
-                items.append({
-                    "prompt": g["prompt"],
-                    "pre_export": a["output"],
-                    "post_export": b["output"],
-                    "identical": a["output"] == b["output"],
-                    "similarity": round(similarity(a["output"], b["output"]), 4),
-                    "matches_verdict": a["output"] == g.get("output"),
-                    **({"first_divergence": first_divergence(a["tokens"] + a["end_ids"][:1], b["tokens"] + b["end_ids"][:1])}
-                       if b.get("tokens") is not None else {}),
-                    **({"max_logit_gap": round(max(gp, default=0.0), 4), "off_greedy_tokens": sum(x > 0 for x in gp)} if gp is not None else {}),
-                    **({"tokenizer_match": b["tokenizer_match"]} if "tokenizer_match" in b else {}),
-                })
-        if params.get("lossless"):
-            smoke["criterion"] = "identical greedy outputs (lossless format: the runtime computes what evaluation computed)"
-            for i in items:
-                i["meets_criterion"] = i["identical"]
-        elif margin is not None:
-            smoke["criterion"] = (f"every token the artifact generated is the float32 reference's greedy choice or within {margin} nats "
-                                  "of it, given the same preceding tokens (16-bit rounding may flip a near-tie, nothing more)")
-            for i in items:
-                i["meets_criterion"] = i["max_logit_gap"] <= float(margin)
-        else:
-            smoke["criterion"] = f"similarity >= {params['min_similarity']} for every golden (quantized format)"
-            for i in items:
-                i["meets_criterion"] = i["similarity"] >= float(params["min_similarity"])
-        smoke["items"] = items
-        ok = bool(items) and all(i["meets_criterion"] for i in items)
-        if any(g.get("output") is not None and not i["matches_verdict"] for g, i in zip(goldens, items)):
-            # What would be exported is not what was judged: the base model or the stack moved since.
-            ok = False
-            notes.append("base + adapter no longer reproduce the golden outputs recorded in the signed verdict: the base model, "
-                         "the libraries or the hardware changed since evaluation; ask for a fresh evaluation before exporting")
-        if any(i.get("tokenizer_match") is False for i in items):
-            ok = False
-            notes.append("llama.cpp tokenizes the golden prompts differently from the HF tokenizer: the pre-tokenizer mapping is wrong")
-        if params.get("modelfile") and not smoke.get("modelfile_template_match"):
-            ok = False
-            notes.append("the Modelfile TEMPLATE renders the golden prompts differently from the model's chat template")
-        smoke["passed"] = bool(smoke["ran"] and ok)
-
+        smoke["passed"] = _judge(x, smoke, items)
         emit_progress(4, 4, "placing artifacts")
-        artifacts = []
-        if art.is_dir():
-            _replace_dir(art, final)
-        else:
-            os.replace(art, final)
-        artifacts.append(_artifact(final))
-        if params.get("modelfile"):
-            os.replace(work / "Modelfile", export_dir / "Modelfile")
-            artifacts.append(_artifact(export_dir / "Modelfile"))
+        artifacts = _place(x, work, built)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return {"artifacts": artifacts, "smoke": smoke, "commands": x.commands, "notes": x.notes, "versions": _versions(x.fmt),
+            "seconds": round(time.time() - t0, 1)}
 
+
+def _check_can_export(x: _Export) -> None:
+    if x.fmt.startswith("gguf-"):
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise JobError("llama-cpp-python is not installed in the training environment, so GGUF cannot be quantized or smoke-tested",
+                           kind="Refused", fix="pip install 'finetune-mcp[export]' (or llama-cpp-python) into the training Python") from None
+        if not x.params.get("converter"):
+            raise JobError("no llama.cpp converter was given", kind="Refused")
+
+
+def _build_lora(x: _Export, tok, work: Path) -> _Built:
+    art = work / "lora"
+    shutil.copytree(x.adapter_dir, art)
+    tok.save_pretrained(art)
+    model = None
+    if x.smoke_rt == "transformers":
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(load_model(x.base_model), str(art)).eval()
+    return _Built(art, x.export_dir / "lora", model)
+
+
+def _build_merged(x: _Export, tok, work: Path, ref) -> _Built:
+    import torch
+
+    cfg = json.loads((Path(resolve_model(x.base_model)) / "config.json").read_text()) if Path(resolve_model(x.base_model)).is_dir() else {}
+    dtype = torch.float16 if str(cfg.get("dtype") or cfg.get("torch_dtype")) == "float16" else torch.bfloat16
+    merged = ref.merge_and_unload().to(dtype)
+    art = work / "merged"
+    merged.save_pretrained(art, safe_serialization=True)
+    tok.save_pretrained(art)
+    del merged
+    x.notes.append(f"merged in float32, saved as {str(dtype).replace('torch.', '')}")
+    model = load_model(str(art), str(dtype).replace("torch.", "")) if x.smoke_rt == "transformers" else None
+    return _Built(art, x.merged_dir, model)
+
+
+def _build_gguf(x: _Export, tok, work: Path, ref) -> _Built:
+    """Merge, convert with llama.cpp's converter (through the in-memory shim), then quantize if the format asks."""
+    params, fmt = x.params, x.fmt
+    hf = work / "hf"
+    merged = ref.merge_and_unload()
+    merged.save_pretrained(hf, safe_serialization=True)
+    tok.save_pretrained(hf)
+    n_params = sum(p.numel() for p in merged.parameters())
+    del merged
+    quant = fmt != "gguf-f16"
+    outtype = "f16" if not quant else ("f32" if n_params * 4 < 8e9 else "auto")
+    stem = params.get("name") or "model"
+    converted = work / (f"{stem}-{outtype}.gguf" if quant else f"{stem}-f16.gguf")
+    _convert(x, hf, converted, outtype)
+    shutil.rmtree(hf, ignore_errors=True)
+    if not quant:
+        return _Built(converted, x.export_dir / converted.name)
+    art = work / f"{stem}-{fmt.removeprefix('gguf-')}.gguf"
+    _quantize(x, converted, art)
+    converted.unlink()
+    return _Built(art, x.export_dir / art.name)
+
+
+def _convert(x: _Export, hf: Path, converted: Path, outtype: str) -> None:
+    params = x.params
+    pre_tok = params.get("pre_tokenizer") or ("gpt-2" if gpt2_byte_level(hf) else "")
+    cmd = [sys.executable, "-c", CONVERTER_SHIM, params["converter"], str(hf), "--outfile", str(converted), "--outtype", outtype]
+    x.commands.append(f"FINETUNE_MCP_GGUF_PRE={pre_tok or '(unset)'} python convert_hf_to_gguf.py {hf.name}/ --outfile {converted.name} --outtype {outtype}"
+                      f"   # converter: {params['converter']}, run through finetune-mcp's in-memory shim")
+    env = {**os.environ, "FINETUNE_MCP_GGUF_PRE": pre_tok}
+    try:
+        # The converter reads the whole model once; hours means it is stuck, not slow.
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CONVERTER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise JobError(f"llama.cpp's converter did not finish within {CONVERTER_TIMEOUT_S:.0f}s", kind="JobFailed",
+                       where=" ".join(cmd[:1] + cmd[3:]), fix="run the command by hand to see where it stops") from None
+    if p.returncode != 0 or not converted.is_file():
+        tail = (p.stderr or p.stdout)[-3000:]
+        hint = "the converter does not know this tokenizer's pre-tokenizer; set FINETUNE_MCP_GGUF_PRE_TOKENIZER to the llama.cpp name it matches (e.g. gpt-2, llama-bpe, qwen2)" \
+            if "pre-tokenizer was not recognized" in tail else "its output ends with the lines shown"
+        raise JobError(f"llama.cpp's converter failed (exit {p.returncode}):\n{tail}", kind="JobFailed", where=" ".join(cmd[:1] + cmd[3:]), fix=hint)
+    if pre_tok and "pre-tokenizer hash not in the converter's table" in p.stderr:
+        x.notes.append(f"the converter did not know this tokenizer's hash; mapped to llama.cpp pre-tokenizer {pre_tok!r}")
+
+
+def _quantize(x: _Export, converted: Path, art: Path) -> None:
+    import ctypes
+
+    import llama_cpp
+
+    qparams = llama_cpp.llama_model_quantize_default_params()
+    qparams.ftype = getattr(llama_cpp, x.params["llama_ftype"])
+    qparams.nthread = x.threads
+    emit_progress(2, 4, f"quantizing to {x.fmt}")
+    rc = llama_cpp.llama_model_quantize(str(converted).encode(), str(art).encode(), ctypes.byref(qparams))
+    x.commands.append(f"llama_cpp.llama_model_quantize({converted.name}, {art.name}, ftype={x.params['llama_ftype']})"
+                      f"   # = llama-quantize {converted.name} {art.name} {x.fmt.removeprefix('gguf-').upper()}")
+    if rc != 0 or not art.is_file():
+        raise JobError(f"llama_model_quantize returned {rc}", kind="JobFailed", where=str(converted))
+
+
+def _run_smoke(x: _Export, tok, built: _Built, stops: list[int]) -> tuple[dict[str, Any], list | None]:
+    """The artifact's answers to the goldens in the target runtime (None where that runtime is unavailable, with why)."""
+    smoke: dict[str, Any] = {"runtime": x.smoke_rt, "ran": False, "reason": None}
+    post = None
+    if x.smoke_rt == "transformers":
+        post = _smoke_transformers(built.model_for_smoke, tok, x.goldens, x.mnt)
+    elif x.smoke_rt == "llama.cpp":
+        post = _smoke_llama_cpp(built.art, tok, x.goldens, x.mnt, x.threads, stops)
+    elif x.smoke_rt == "vllm":
+        why = _vllm_unavailable()
+        if why:
+            smoke["reason"] = why
+        else:
+            lora = x.fmt == "lora"
+            post = _smoke_vllm(resolve_model(x.base_model) if lora else str(built.art), str(built.art) if lora else None, tok, x.goldens, x.mnt, stops)
+    return smoke, post
+
+
+def _write_modelfile(x: _Export, tok, work: Path, built: _Built, smoke: dict) -> None:
+    (work / "Modelfile").write_text(
+        f"# Ollama Modelfile written by finetune-mcp export for {x.params.get('run_id', '')}\n"
+        f"FROM ./{built.final.name}\n"
+        f'TEMPLATE """{CHATML_MODELFILE_TEMPLATE}"""\n'
+        'PARAMETER stop "<|im_end|>"\n'
+        'PARAMETER stop "<|im_start|>"\n',
+        encoding="utf-8",
+    )
+    smoke["modelfile_template_match"] = all(
+        render_chatml(g["prompt"] if isinstance(g["prompt"], list) else [{"role": "user", "content": g["prompt"]}]) == prompt_text(tok, g["prompt"])
+        for g in x.goldens
+    )
+
+
+def _compare(x: _Export, tok, pre: list, post: list, built: _Built) -> list[dict[str, Any]]:
+    """Each golden's answer before and after export; with a tie margin, each generated token's gap to the float32
+    reference's greedy choice."""
+    margin = x.params.get("max_tie_margin")
+    gaps: list[list[float] | None] = [None] * len(post)
+    if margin is not None:
+        emit_progress(3, 4, "scoring the artifact's answers with the float32 reference")
+        built.model_for_smoke = None
+        reference = load_adapted(x.base_model, x.adapter_dir)
+        gaps = [logit_gaps(reference, tok, g["prompt"], b["tokens"], b["end_ids"]) for g, b in zip(x.goldens, post)]
+        del reference
+    items = []
+    for g, a, b, gp in zip(x.goldens, pre, post, gaps):
+        items.append({
+            "prompt": g["prompt"],
+            "pre_export": a["output"],
+            "post_export": b["output"],
+            "identical": a["output"] == b["output"],
+            "similarity": round(similarity(a["output"], b["output"]), 4),
+            "matches_verdict": a["output"] == g.get("output"),
+            **({"first_divergence": first_divergence(a["tokens"] + a["end_ids"][:1], b["tokens"] + b["end_ids"][:1])}
+               if b.get("tokens") is not None else {}),
+            **({"max_logit_gap": round(max(gp, default=0.0), 4), "off_greedy_tokens": sum(v > 0 for v in gp)} if gp is not None else {}),
+            **({"tokenizer_match": b["tokenizer_match"]} if "tokenizer_match" in b else {}),
+        })
+    return items
+
+
+def _judge(x: _Export, smoke: dict, items: list[dict]) -> bool:
+    """Whether the smoke test passed, by the criterion the format is held to (stated in smoke["criterion"])."""
+    params = x.params
+    margin = params.get("max_tie_margin")
+    if params.get("lossless"):
+        smoke["criterion"] = "identical greedy outputs (lossless format: the runtime computes what evaluation computed)"
+        for i in items:
+            i["meets_criterion"] = i["identical"]
+    elif margin is not None:
+        smoke["criterion"] = (f"every token the artifact generated is the float32 reference's greedy choice or within {margin} nats "
+                              "of it, given the same preceding tokens (16-bit rounding may flip a near-tie, nothing more)")
+        for i in items:
+            i["meets_criterion"] = i["max_logit_gap"] <= float(margin)
+    else:
+        smoke["criterion"] = f"similarity >= {params['min_similarity']} for every golden (quantized format)"
+        for i in items:
+            i["meets_criterion"] = i["similarity"] >= float(params["min_similarity"])
+    smoke["items"] = items
+    ok = bool(items) and all(i["meets_criterion"] for i in items)
+    if any(g.get("output") is not None and not i["matches_verdict"] for g, i in zip(x.goldens, items)):
+        # What would be exported is not what was judged: the base model or the stack moved since.
+        ok = False
+        x.notes.append("base + adapter no longer reproduce the golden outputs recorded in the signed verdict: the base model, "
+                       "the libraries or the hardware changed since evaluation; ask for a fresh evaluation before exporting")
+    if any(i.get("tokenizer_match") is False for i in items):
+        ok = False
+        x.notes.append("llama.cpp tokenizes the golden prompts differently from the HF tokenizer: the pre-tokenizer mapping is wrong")
+    if params.get("modelfile") and not smoke.get("modelfile_template_match"):
+        ok = False
+        x.notes.append("the Modelfile TEMPLATE renders the golden prompts differently from the model's chat template")
+    return bool(smoke["ran"] and ok)
+
+
+def _place(x: _Export, work: Path, built: _Built) -> list[dict[str, Any]]:
+    if built.art.is_dir():
+        _replace_dir(built.art, built.final)
+    else:
+        os.replace(built.art, built.final)
+    artifacts = [_artifact(built.final)]
+    if x.params.get("modelfile"):
+        os.replace(work / "Modelfile", x.export_dir / "Modelfile")
+        artifacts.append(_artifact(x.export_dir / "Modelfile"))
+    return artifacts
+
+
+def _versions(fmt: str) -> dict[str, str]:
     import peft
+    import torch
     import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
@@ -457,8 +527,7 @@ def export(params: dict[str, Any]) -> dict[str, Any]:
         import llama_cpp
 
         versions["llama_cpp_python"] = llama_cpp.__version__
-    return {"artifacts": artifacts, "smoke": smoke, "commands": commands, "notes": notes, "versions": versions,
-            "seconds": round(time.time() - t0, 1)}
+    return versions
 
 
 if __name__ == "__main__":

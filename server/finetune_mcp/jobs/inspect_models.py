@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.jobs import masking as M
-from finetune_mcp.jobs._proto import run_main
+from finetune_mcp.common import masking as M
+from finetune_mcp.common.proto import run_main
+from finetune_mcp.common.shapes import safetensors_param_count
 
 # Markers that name a template family; the first that occurs wins (ChatML last: others reuse <|im_start|>).
 FAMILIES = [("llama3", "<|start_header_id|>"), ("gemma", "<start_of_turn>"), ("phi3", "<|assistant|>\n"), ("zephyr", "<|assistant|>"),
@@ -31,8 +32,6 @@ def inspect_one(path: str) -> dict[str, Any]:
     cfg = json.loads((folder / "config.json").read_text())
     out: dict[str, Any] = {"model_type": cfg.get("model_type"), "dtype": cfg.get("dtype") or cfg.get("torch_dtype")}
     try:
-        from finetune_mcp.phases.memory import safetensors_param_count  # pure stdlib, safe in the training Python
-
         out["parameters"] = safetensors_param_count(folder)
     except Exception:
         out["parameters"] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune_mcp.jobs._proto import JobError, run_main
+from finetune_mcp.common.proto import JobError, run_main
 
 MAX_ROWS = 256
 

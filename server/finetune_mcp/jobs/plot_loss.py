@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 
-from finetune_mcp.jobs._proto import JobError, run_main
+from finetune_mcp.common.proto import JobError, run_main
 
 
 def _points_from_progress(path: str) -> list[tuple[int, float]]:

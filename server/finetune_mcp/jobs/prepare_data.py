@@ -15,12 +15,13 @@ import math
 import os
 import statistics
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.jobs import _proto, _records as R, masking as M
-from finetune_mcp.jobs._proto import JobError
+from finetune_mcp.common import records as R
+from finetune_mcp.common import masking as M
+from finetune_mcp.common.proto import JobError, emit_progress, in_job, run_main
+from finetune_mcp.jobs.collapse_guard import UNSTATED, collapse_metrics, judge_collapse, near_duplicates, what_repeats
 
 STAGES = 7
 # Trained spans in decoded samples; chosen because chat text rarely contains them.
@@ -29,8 +30,8 @@ SAMPLE_RULE = "──"
 
 
 def _progress(done: float, message: str, total: float = STAGES) -> None:
-    if _proto._out is not None:
-        _proto.emit_progress(done, total, message)
+    if in_job():
+        emit_progress(done, total, message)
     else:
         print(f"[{done:.1f}/{total}] {message}", file=sys.stderr)
 
@@ -258,12 +259,12 @@ class Templater:
         self.assistant_only = fmt in ("messages", "vision")
         self.generation_markers = bool(tpl) and has_generation_markers(tpl)
         self.stop_token_trained: bool | None = None
-        self.masking: dict | None = None  # the masking choice for conversations (jobs/masking.py)
+        self.masking: dict | None = None  # the masking choice for conversations (common/masking.py)
         if fmt in ("messages", "vision") and not tpl:
             raise JobError("the base model's tokenizer has no chat template, so conversations cannot be templated", kind="BadInput",
                            where=f"{model_path}/tokenizer_config.json", fix="use a model with a chat template, or prompt/completion text rows")
         if fmt == "messages":
-            # Assistant-only loss on any template: the first masking way that verifies (jobs/masking.py).
+            # Assistant-only loss on any template: the first masking way that verifies (common/masking.py).
             try:
                 trl_tpl = get_training_chat_template(self.tok)
             except Exception:
@@ -388,249 +389,6 @@ class Templater:
         return f"{MARK_OPEN}{text}{MARK_CLOSE}" if trained else text
 
 
-# ---------------------------------------------------------------- near duplicates and the collapse guard
-
-
-def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int | None], int]:
-    """For each record the index of an earlier near copy (MinHash Jaccard >= mh["jaccard"]) or None.
-    Returns (match, candidate_pairs_checked)."""
-    import numpy as np
-
-    n = len(texts)
-    k = mh["shingle_words"]
-    if n == 0:
-        return [], 0
-    # Words become ids, shingles k consecutive ids mixed into 32 bits, all in numpy; a record shorter than
-    # k words is one shingle of what it has. Ids are assigned in first-seen order, so this is deterministic.
-    vocab: dict[str, int] = {}
-    ids: list[int] = []
-    lens = np.zeros(n, dtype=np.int64)
-    for i, t in enumerate(texts):
-        w = R.words(t)
-        lens[i] = len(w)
-        for x in w:
-            if x not in vocab:
-                vocab[x] = len(vocab) + 1
-        ids.extend(map(vocab.__getitem__, w))
-    empty = lens == 0
-    wid = np.asarray(ids, dtype=np.uint64)
-    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
-    nsh = np.where(lens >= k, lens - k + 1, 1)
-    nsh[empty] = 1
-    off = np.concatenate(([0], np.cumsum(nsh)[:-1])).astype(np.int64)
-    rec_of = np.repeat(np.arange(n), nsh)
-    pos = np.arange(int(nsh.sum())) - np.repeat(off, nsh) + np.repeat(starts, nsh)
-    mult = (np.uint64(0x9E3779B1), np.uint64(0x85EBCA77), np.uint64(0xC2B2AE3D))
-    x = np.zeros(len(pos), dtype=np.uint64)
-    for d in range(k):
-        p_d = pos + d
-        inside = p_d < np.repeat(starts + lens, nsh)
-        v = np.where(inside, wid[np.minimum(p_d, max(len(wid) - 1, 0))] if len(wid) else 0, 0).astype(np.uint64)
-        x = (x * mult[d % 3] + v + np.uint64(d + 1)) & np.uint64(0xFFFFFFFF)
-    x[empty[rec_of]] = (np.uint64(0xFFFFFFFF) - rec_of[empty[rec_of]].astype(np.uint64)) & np.uint64(0xFFFFFFFF)
-
-    rng = np.random.default_rng(seed + 7919)
-    perm = mh["num_perm"]
-    # Multiply-shift hashing (a odd): (a*x + b) mod 2**64, top 32 bits; one independent hash per permutation.
-    a = rng.integers(0, 2**63 - 1, size=perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    b = rng.integers(0, 2**63 - 1, size=perm, dtype=np.uint64)
-    sig = np.empty((perm, n), dtype=np.uint32)
-    step = 8
-    for s0 in range(0, perm, step):
-        vals = ((a[s0:s0 + step, None] * x[None, :] + b[s0:s0 + step, None]) >> np.uint64(32)).astype(np.uint32)
-        sig[s0:s0 + step] = np.minimum.reduceat(vals, off, axis=1)
-    bands = mh["bands"]
-    rows = perm // bands
-    thr = mh["jaccard"]
-    # Candidates: records that share all rows of some band. Within a bucket each record is compared with
-    # the (up to 16) records before it, so a huge bucket (a collapsed set) stays cheap.
-    ii, jj = [], []
-    for bi in range(bands):
-        block = np.ascontiguousarray(sig[bi * rows:(bi + 1) * rows].T)
-        keys = block.view(np.dtype((np.void, block.dtype.itemsize * rows))).ravel()
-        _, inv = np.unique(keys, return_inverse=True)
-        order = np.argsort(inv, kind="stable")
-        sinv = inv[order]
-        first = np.r_[True, sinv[1:] != sinv[:-1]]
-        start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
-        pos = np.arange(n) - start
-        for d in range(1, 17):
-            ok = pos >= d
-            if not ok.any():
-                break
-            ii.append(order[np.flatnonzero(ok) - d])
-            jj.append(order[ok])
-    match: list[int | None] = [None] * n
-    if not ii:
-        return match, 0
-    i_all = np.concatenate(ii)
-    j_all = np.concatenate(jj)
-    lo, hi = np.minimum(i_all, j_all), np.maximum(i_all, j_all)
-    # Sort and drop repeats (np.unique's hash path is ~100x slower than a sort on millions of int64).
-    pair = np.sort(lo.astype(np.int64) * n + hi)
-    pair = pair[np.r_[True, pair[1:] != pair[:-1]]]
-    lo, hi = pair // n, pair % n
-    keep = ~(empty[lo] | empty[hi])
-    lo, hi = lo[keep], hi[keep]
-    sim = np.empty(len(lo))
-    for c0 in range(0, len(lo), 65536):
-        sim[c0:c0 + 65536] = (sig[:, lo[c0:c0 + 65536]] == sig[:, hi[c0:c0 + 65536]]).mean(axis=0)
-    # The estimate only shortlists; the exact Jaccard of the shingle sets decides, so estimation noise on
-    # thousands of pairs cannot invent near copies.
-    cand = np.flatnonzero(sim >= thr - 0.2)
-    hit = np.zeros(len(lo), dtype=bool)
-    if len(cand):
-        # Exact Jaccard of each shortlisted pair, all pairs at once: each record's distinct shingles (sorted),
-        # both sides of a pair tagged with the pair's number; a shingle in both sides shows up twice in a row.
-        uniq = np.lexsort((x, rec_of))
-        xs, rs = x[uniq], rec_of[uniq]
-        first = np.r_[True, (xs[1:] != xs[:-1]) | (rs[1:] != rs[:-1])]
-        xs, rs = xs[first], rs[first]
-        size = np.bincount(rs, minlength=n)
-        begin = np.concatenate(([0], np.cumsum(size)[:-1]))
-        for c0 in range(0, len(cand), 50_000):
-            cc = cand[c0:c0 + 50_000]
-            a_rec, b_rec = lo[cc], hi[cc]
-            both = np.concatenate((a_rec, b_rec))
-            cnt = size[both]
-            tag = np.repeat(np.arange(len(both)) % len(cc), cnt).astype(np.uint64)
-            at = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt) + np.repeat(begin[both], cnt)
-            key = np.sort((tag << np.uint64(32)) | xs[at])
-            dup = np.flatnonzero(key[1:] == key[:-1])
-            inter = np.bincount((key[dup] >> np.uint64(32)).astype(np.int64), minlength=len(cc))
-            union = size[a_rec] + size[b_rec] - inter
-            hit[cc] = inter >= thr * union
-    best = np.full(n, n, dtype=np.int64)
-    np.minimum.at(best, hi[hit], lo[hit])
-    for j in np.flatnonzero(best < n):
-        match[int(j)] = int(best[j])
-    return match, int(len(lo))
-
-
-def collapse_metrics(trained: list[str], near_share: float, table: dict, seed: int) -> dict:
-    """The collapse guard's readings over the trained text of each record (see the skill's collapse table)."""
-    import random
-
-    tw = [R.words(t) for t in trained]
-    order = list(range(len(tw)))
-    random.Random(f"collapse:{seed}").shuffle(order)
-    uni, bi = [], []
-    budget = table["sample_words"]
-    for i in order:
-        w = tw[i]
-        if not w:
-            continue
-        take = w[:budget - len(uni)]
-        uni += take
-        bi += list(zip(take, take[1:]))
-        if len(uni) >= budget:
-            break
-    lengths = [len(w) for w in tw]
-    mean = statistics.fmean(lengths) if lengths else 0.0
-    cv = (statistics.pstdev(lengths) / mean) if mean > 0 else 0.0
-    k = table["opening_words"]
-    opening = [" ".join(w[:k]) if w else None for w in tw]
-    counts = Counter(o for o in opening if o is not None)
-    top, top_n = (counts.most_common(1)[0] if counts else ("", 0))
-    return {
-        "distinct-1": round(len(set(uni)) / len(uni), 4) if uni else 0.0,
-        "distinct-2": round(len(set(bi)) / len(bi), 4) if bi else 0.0,
-        "near-duplicate-share": round(near_share, 4),
-        "length-cv": round(cv, 4),
-        "top-opening-share": round(top_n / max(sum(counts.values()), 1), 4),
-        "_top_opening": top,
-        "_top_records": [i for i, o in enumerate(opening) if top and o == top][:5],
-        "_sample_words": len(uni),
-        "_mean_words": round(mean, 2),
-    }
-
-
-def shared_phrase(texts: list[str], seed: int = 0, max_n: int = 12, sample: int = 1000, head: int = 64) -> tuple[str, float]:
-    """(phrase as written, share of texts holding it): the longest word n-gram that nearly as many texts hold as hold
-    the most shared word pair. Counted on a fixed sample of texts (their first `head` words); the share is exact."""
-    import random
-    import re
-
-    order = list(range(len(texts)))
-    random.Random(f"phrase:{seed}").shuffle(order)
-    tw = [R.words(texts[i])[:head] for i in order[:sample]]
-    best: dict[int, tuple[tuple, int]] = {}
-    for n in range(2, max_n + 1):
-        df: dict[tuple, int] = {}  # insertion order = first seen, which breaks ties the same way on every run
-        for w in tw:
-            for g in dict.fromkeys(tuple(w[j:j + n]) for j in range(len(w) - n + 1)):
-                df[g] = df.get(g, 0) + 1
-        if not df:
-            break
-        top = max(df.values())
-        best[n] = next((g, c) for g, c in df.items() if c == top)
-    if not best:
-        return "", 0.0
-    n = max(k for k, (_, c) in best.items() if c >= 0.8 * best[2][1])
-    pat = re.compile(r"(?<!\w)" + r"\W+".join(map(re.escape, best[n][0])) + r"(?!\w)", re.I)
-    hits = [m for m in map(pat.search, texts) if m]
-    return (hits[0].group(0) if hits else " ".join(best[n][0])), len(hits) / max(len(texts), 1)
-
-
-def what_repeats(trained: list[str], values: dict, near_example: str | None, seed: int) -> dict[str, str]:
-    """Per collapse metric, the words that say what repeats (the phrase, the opening, a near-copy pair, the length)."""
-    phrase, share = shared_phrase(trained, seed)
-    said = f"{share:.0%} of answers share the phrase {phrase!r}" if phrase else "the answers share no phrase"
-    sd = values["length-cv"] * values["_mean_words"]
-    return {
-        "distinct-1": said, "distinct-2": said,
-        "near-duplicate-share": f"{values['near-duplicate-share']:.0%} of records are near copies of an earlier one"
-        + (f" (e.g. {near_example})" if near_example else ""),
-        "length-cv": f"answers run {values['_mean_words']:.0f} ± {sd:.1f} words",
-        "top-opening-share": f"{values['top-opening-share']:.0%} of answers open with {values['_top_opening']!r} (e.g. {values.get('_top_where')})",
-    }
-
-
-UNSTATED = ("neither the brief nor the data says where the records came from, so the guard treats them as {}: if people wrote "
-            "or chose them on purpose, add `provenance: curated` to the brief's ## Dataset Expectation")
-
-
-def judge_collapse(values: dict, table: dict, n_records: int, sink: R.Sink, provenance: str = "synthetic",
-                   repeats: dict[str, str] | None = None, stated: bool = True) -> dict:
-    """Verdict per metric. A fail bound breached by curated data (the collapse table's provenance rules) is reported
-    as a warning; every message names what repeats. stated: whether the brief or the data gave the provenance."""
-    verdicts = {}
-    gated = n_records < table["min_records"]
-    rule = table["provenance"][provenance]
-    for name, bounds in table["metrics"].items():
-        v = values[name]
-        verdict = "ok"
-        msg = None
-        if bounds.get("fail_below") is not None and v < bounds["fail_below"]:
-            verdict, msg = "fail", f"{name} {v} is below {bounds['fail_below']}"
-        elif bounds.get("fail_above") is not None and v > bounds["fail_above"]:
-            verdict, msg = "fail", f"{name} {v} is above {bounds['fail_above']}"
-        elif bounds.get("warn_below") is not None and v < bounds["warn_below"]:
-            verdict, msg = "warn", f"{name} {v} is below {bounds['warn_below']}"
-        elif bounds.get("warn_above") is not None and v > bounds["warn_above"]:
-            verdict, msg = "warn", f"{name} {v} is above {bounds['warn_above']}"
-        elif all(bounds.get(k) is None for k in ("fail_below", "fail_above", "warn_below", "warn_above")):
-            verdict = "info"
-        if msg and repeats and repeats.get(name):
-            msg += f": {repeats[name]}"
-        elif name == "top-opening-share" and msg:
-            msg += f" (most common opening: {values['_top_opening']!r}, e.g. {values.get('_top_where')})"
-        if verdict == "fail" and gated:
-            verdict = "warn"
-            msg += f"; not failing: fewer than {table['min_records']} records"
-        elif verdict == "fail" and rule["on_fail"] == "warning":
-            verdict = "warn"
-            msg += f"; reported, not failing: the data is {provenance}"
-        elif verdict == "fail" and not stated:
-            msg += "; " + UNSTATED.format(provenance)
-        verdicts[name] = verdict
-        if verdict == "fail":
-            sink.error(f"collapse-{name}", f"collapse guard: {msg}", field="trained text")
-        elif verdict == "warn":
-            sink.warn(f"collapse-{name}", f"collapse guard: {msg}", field="trained text")
-    return verdicts
-
-
 # ---------------------------------------------------------------- records longer than max_seq_length
 
 
@@ -715,11 +473,7 @@ def apply_length_policy(tp: "Templater", records: list, seqs: list, origins, fmt
         dropped.add(i)
         out["dropped"].append({"where": _loc(origins, i), "record": origins[i][2], "tokens": rec_len[i], "why": why})
 
-    def trained_within(parts) -> bool:
-        return all(any(x != -100 for x in lab[:seq_len]) for _, _, lab in parts)
-
     for i in over_idx:
-        parts = seqs[i]
         over_by = rec_len[i] - seq_len
         if policy == "refuse":
             sink.error("too-long", f"{rec_len[i]} tokens, {over_by} past max_seq_length {seq_len} (long_records: refuse)", **_where(origins, i), field=field)
@@ -730,36 +484,12 @@ def apply_length_policy(tp: "Templater", records: list, seqs: list, origins, fmt
             drop(i, why)
             sink.warn("too-long", f"dropped: {why} (long_records: {policy})", **_where(origins, i), field=field)
             continue
-        # truncate
-        what, in_answer = "", False
-        if fmt in ("preference", "kto", "prompt-completion"):
-            plen = _prompt_len(parts)
-            alen = max(len(ids) - plen for _, ids, _ in parts)
-            src, _ = infer_seqlen(plen, alen, seq_len)
-            if plen > src:
-                new = cut_prompt(tp, records[i], src)
-                new_parts = tp.sequences(new)
-                if not trained_within(new_parts):
-                    drop(i, f"the prompt ({plen} tokens) cannot be cut below {_prompt_len(new_parts)} without losing its last turn, "
-                            f"which leaves no answer token within {seq_len}")
-                    sink.warn("too-long", f"dropped: {out['dropped'][-1]['why']}", **_where(origins, i), field="prompt")
-                    continue
-                records[i] = new
-                seqs[i] = parts = new_parts
-                what = f"prompt cut from {plen} to {_prompt_len(parts)} tokens (its start dropped); "
-            after = max(len(p[1]) for p in parts)
-            if after > seq_len:
-                what += f"answer cut at {seq_len - _prompt_len(parts)} of its {alen} tokens by the trainer"
-                in_answer = True
-        else:
-            lost = sum(1 for _, _, lab in parts for x in lab[seq_len:] if x != -100)
-            what = f"cut at {seq_len} tokens by the trainer, {rec_len[i] - seq_len} tokens lost" + (
-                f", {lost} of them trained (the cut falls inside an assistant turn)" if lost else ", none of them trained")
-            in_answer = bool(lost)
-        if not trained_within(parts):
-            drop(i, f"no trained token left within max_seq_length {seq_len}")
-            sink.warn("too-long", f"dropped: {out['dropped'][-1]['why']}", **_where(origins, i), field=field)
+        cut = _truncate(tp, records, seqs, i, fmt, seq_len, rec_len[i])
+        if cut.dropped:
+            drop(i, cut.dropped)
+            sink.warn("too-long", f"dropped: {cut.dropped}", **_where(origins, i), field=cut.field or field)
             continue
+        what, in_answer, parts = cut.what, cut.in_answer, seqs[i]
         out["cut_inside_answer"] += in_answer
         out["tokens_cut"] += rec_len[i] - min(max(len(p[1]) for p in parts), seq_len)
         out["truncated"].append({"where": _loc(origins, i), "record": origins[i][2], "tokens": rec_len[i], "what": what.rstrip("; ")})
@@ -775,6 +505,48 @@ def apply_length_policy(tp: "Templater", records: list, seqs: list, origins, fmt
             f"(long_records: {policy}); record lengths p50 {q['p50']}, p90 {q['p90']}, p95 {q['p95']}, p99 {q['p99']}, max {q['max']}: "
             f"`max_seq_length: {q['p95']}` keeps 95%, `max_seq_length: {q['p99']}` keeps 99%"))
     return out
+
+
+class _Cut:
+    """What truncating one record did: what was cut and whether inside an answer, or why it was dropped instead."""
+
+    def __init__(self, what: str = "", in_answer: bool = False, dropped: str | None = None, field: str | None = None):
+        self.what, self.in_answer, self.dropped, self.field = what, in_answer, dropped, field
+
+
+def _trained_within(parts, seq_len: int) -> bool:
+    return all(any(x != -100 for x in lab[:seq_len]) for _, _, lab in parts)
+
+
+def _truncate(tp: "Templater", records: list, seqs: list, i: int, fmt: str, seq_len: int, length: int) -> _Cut:
+    """Truncate record i in place (records[i], seqs[i]): a prompt to LLaMA-Factory's prompt budget, the rest by the trainer."""
+    parts = seqs[i]
+    what, in_answer = "", False
+    if fmt in ("preference", "kto", "prompt-completion"):
+        plen = _prompt_len(parts)
+        alen = max(len(ids) - plen for _, ids, _ in parts)
+        src, _ = infer_seqlen(plen, alen, seq_len)
+        if plen > src:
+            new = cut_prompt(tp, records[i], src)
+            new_parts = tp.sequences(new)
+            if not _trained_within(new_parts, seq_len):
+                return _Cut(dropped=f"the prompt ({plen} tokens) cannot be cut below {_prompt_len(new_parts)} without losing its last turn, "
+                                    f"which leaves no answer token within {seq_len}", field="prompt")
+            records[i] = new
+            seqs[i] = parts = new_parts
+            what = f"prompt cut from {plen} to {_prompt_len(parts)} tokens (its start dropped); "
+        after = max(len(p[1]) for p in parts)
+        if after > seq_len:
+            what += f"answer cut at {seq_len - _prompt_len(parts)} of its {alen} tokens by the trainer"
+            in_answer = True
+    else:
+        lost = sum(1 for _, _, lab in parts for x in lab[seq_len:] if x != -100)
+        what = f"cut at {seq_len} tokens by the trainer, {length - seq_len} tokens lost" + (
+            f", {lost} of them trained (the cut falls inside an assistant turn)" if lost else ", none of them trained")
+        in_answer = bool(lost)
+    if not _trained_within(parts, seq_len):
+        return _Cut(dropped=f"no trained token left within max_seq_length {seq_len}")
+    return _Cut(what, in_answer)
 
 
 def _prompt_len(parts) -> int:
@@ -821,20 +593,72 @@ def prepare(P: dict) -> dict:
 
 
 def _prepare(P: dict, closers: list) -> dict:
-    tables = P["tables"]
-    formats, validation, collapse = tables["formats"], tables["validation"], tables["collapse"]
-    per_code = validation["listed_per_code"]
+    """load -> validate -> near copies and the collapse guard -> template -> lengths -> split -> pack/decode -> write."""
+    validation = P["tables"]["validation"]
     method, seq_len = P["method"], int(P["max_seq_length"])
-    seed = int(P.get("seed", 0))
+    _progress(0, "reading the source")
+    raw, sink = load_rows(P["source"], validation["listed_per_code"])
+    _progress(1, f"validating {len(raw.rows)} records")
+    checked, base = _validate(P, raw, sink)
+    if sink.errors:
+        return {"ok": False, "stage": "validation", **base, **sink.to_dict()}
+    records, origins, fmt = checked.records, checked.origins, checked.format
+
+    # Templating starts now (in forked workers for a large set) and overlaps the near-duplicate pass below.
+    tp = Templater(P["model_path"], fmt, method, P.get("system_prompt"))
+    templating = _Templating(tp, records)
+    closers.append(templating.close)
+
+    # Near duplicates first: each cluster goes to one split, so eval never scores a near copy of train.
+    _progress(2, "checking near duplicates and the collapse guard")
+    near = _near_copies(P, checked, base, sink)
+    guard = _collapse_guard(P, checked, base, near, sink)
+
+    # Template each example on its own, then measure, then pack.
+    _progress(3, f"applying the chat template to {len(records)} records")
+    seqs, template_errors = _template_all(templating, records, origins, sink)
+    # Records longer than max_seq_length follow the brief's long_records policy (skill: "Long records").
+    lp = apply_length_policy(tp, records, seqs, origins, fmt, seq_len, P.get("long_records") or "drop", sink)
+    lengths, trained_counts = _count_tokens(seqs, lp, origins, fmt, seq_len, sink)
+    _check_enough_kept(lp, len(records), fmt, seq_len, validation, template_errors, sink)
+    train_idx, eval_idx = _split(P, checked, near.clusters, lp["dropped_set"], sink)
+
+    if tp.stop_token_trained is False:
+        sink.warn("stop-token", "the chat template leaves the assistant's end-of-turn token outside the loss mask; the model may not learn to stop",
+                  field="chat_template")
+    token_stats = _token_stats(lengths, trained_counts, lp)
+    if P.get("max_seq_length_from") == "default":
+        tps = token_stats["record_lengths"]
+        sink.warn("max-seq-length-default", f"the brief states no max_seq_length, so the {method} recipe's default {seq_len} applies "
+                  f"({P.get('max_seq_length_cite')}); 99% of the templated records fit in {tps['p99']} tokens (the longest has {tps['max']}): "
+                  f"state `max_seq_length: {tps['p99']}` under ## Dataset Expectation to train at the data's own length", field="max_seq_length")
+    template = _template_info(tp)
+    result = {**base, "tokens": token_stats, "template": template, "collapse": guard,
+              "near_duplicates": {"records": near.count, "share": round(near.share, 4), "clusters_in_one_split": True}}
+    result["counts"].update(train=len(train_idx), eval=len(eval_idx), kept=len(train_idx) + len(eval_idx),
+                            dropped_long=len(lp["dropped_set"]), truncated=len(lp["truncated"]))
+    result["long_records"] = {k: v for k, v in lp.items() if k != "dropped_set"}
+    if sink.errors:
+        stage = "templating" if template_errors else "checks"
+        return {"ok": False, "stage": stage, **result, **sink.to_dict()}
+
+    pack_info, decoded = _samples(P, tp, checked, seqs, train_idx)
+    _progress(5, "writing the splits")
+    digests, trainer = _write(P, raw, checked, tp, template, result, train_idx, eval_idx, pack_info)
+    _progress(6, "done")
+    return {"ok": True, "stage": "done", **result, "packing": pack_info, "decoded_samples": decoded,
+            "trainer_settings": trainer, "files_sha256": digests, "meta": "meta.json", **sink.to_dict()}
+
+
+def _validate(P: dict, raw: R.Raw, sink: R.Sink) -> tuple[R.Checked, dict]:
+    """Every record converted and checked (common/records.py); the part of the result that needs nothing else."""
+    formats, validation, collapse = (P["tables"][k] for k in ("formats", "validation", "collapse"))
     roots = [Path(r) for r in P.get("allowed_roots") or []]
 
     def path_ok(p: Path) -> bool:
         return not roots or any(p == r or p.is_relative_to(r) for r in roots)
 
-    _progress(0, "reading the source")
-    raw, sink = load_rows(P["source"], per_code)
-    _progress(1, f"validating {len(raw.rows)} records")
-    checked = R.check_records(raw, sink, method=method, formats=formats, validation=validation, path_ok=path_ok,
+    checked = R.check_records(raw, sink, method=P["method"], formats=formats, validation=validation, path_ok=path_ok,
                               fill=P.get("fill"), keep_placeholders=bool(P.get("keep_placeholders")),
                               needs_reference=P.get("needs_reference", True), provenance=(P.get("provenance") or {}).get("value"))
     prov = P.get("provenance") or {}
@@ -852,34 +676,45 @@ def _prepare(P: dict, closers: list) -> dict:
     }
     if len(checked.records) < validation["min_examples"] and not sink.errors:
         sink.error("too-few-records", f"{len(checked.records)} usable records; the skill asks for at least {validation['min_examples']}")
-    if sink.errors:
-        return {"ok": False, "stage": "validation", **base, **sink.to_dict()}
-    records, origins, fmt = checked.records, checked.origins, checked.format
+    return checked, base
 
-    # Templating starts now (in forked workers for a large set) and overlaps the near-duplicate pass below.
-    tp = Templater(P["model_path"], fmt, method, P.get("system_prompt"))
-    templating = _Templating(tp, records)
-    closers.append(templating.close)
 
-    # Near duplicates first: each cluster goes to one split, so eval never scores a near copy of train.
-    _progress(2, "checking near duplicates and the collapse guard")
-    texts = [R.full_text(r, fmt) for r in records]
-    match, _ = near_duplicates(texts, collapse["minhash"], seed)
-    parent = list(range(len(records)))
+class _Clusters:
+    """Union-find over record indices: near copies join one cluster, and a cluster goes to one split."""
 
-    def root(i: int) -> int:
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+
+    def root(self, i: int) -> int:
+        parent = self.parent
         while parent[i] != i:
             parent[i] = parent[parent[i]]
             i = parent[i]
         return i
 
+    def join(self, j: int, i: int) -> None:
+        self.parent[self.root(j)] = self.root(i)
+
+
+class _Near:
+    def __init__(self, clusters: _Clusters, count: int, share: float, example: str | None):
+        self.clusters, self.count, self.share, self.example = clusters, count, share, example
+
+
+def _near_copies(P: dict, checked: R.Checked, base: dict, sink: R.Sink) -> _Near:
+    """Near copies (MinHash), warned one by one; their share fails the set unless the data is curated."""
+    collapse, validation = P["tables"]["collapse"], P["tables"]["validation"]
+    records, origins, fmt = checked.records, checked.origins, checked.format
+    provenance, stated = base["provenance"]["value"], base["provenance"]["stated"]
+    match, _ = near_duplicates([R.full_text(r, fmt) for r in records], collapse["minhash"], int(P.get("seed", 0)))
+    clusters = _Clusters(len(records))
     n_near = 0
     near_where: list[str] = []
     for j, i in enumerate(match):
         if i is not None:
             n_near += 1
             near_where.append(_loc(origins, j))
-            parent[root(j)] = root(i)
+            clusters.join(j, i)
             sink.warn("near-duplicate", f"near copy of {_loc(origins, i)} (record {origins[i][2]})", **_where(origins, j), field=R.main_field(fmt))
     near_share = n_near / max(len(records), 1)
     rule = validation["share_rules"]["near-duplicate"]
@@ -888,21 +723,33 @@ def _prepare(P: dict, closers: list) -> dict:
         if collapse["provenance"][provenance]["on_fail"] == "warning":
             sink.warn("near-duplicate", field=R.main_field(fmt), message=f"{said}; reported, not failing: the data is {provenance}")
         else:
-            sink.error("near-duplicate", field=R.main_field(fmt), message=said + ("" if prov.get("value") else "; " + UNSTATED.format(provenance)))
-    trained_txt = ["\n".join(R.trained_texts(r, fmt, checked.reference_field)) for r in records]
-    cvals = collapse_metrics(trained_txt, near_share, collapse, seed)
+            sink.error("near-duplicate", field=R.main_field(fmt), message=said + ("" if stated else "; " + UNSTATED.format(provenance)))
+    first_near = next(((j, i) for j, i in enumerate(match) if i is not None), None)
+    example = f"{_loc(origins, first_near[0])} ≈ {_loc(origins, first_near[1])}" if first_near else None
+    return _Near(clusters, n_near, near_share, example)
+
+
+def _collapse_guard(P: dict, checked: R.Checked, base: dict, near: _Near, sink: R.Sink) -> dict:
+    """The collapse guard's readings and verdicts over the trained text (what repeats is named only when it matters)."""
+    collapse, seed = P["tables"]["collapse"], int(P.get("seed", 0))
+    records, origins = checked.records, checked.origins
+    provenance, stated = base["provenance"]["value"], base["provenance"]["stated"]
+    trained_txt = ["\n".join(R.trained_texts(r, checked.format, checked.reference_field)) for r in records]
+    cvals = collapse_metrics(trained_txt, near.share, collapse, seed)
     cvals["_top_where"] = _some([_loc(origins, i) for i in cvals["_top_records"]], 5) + (
         f" and {int(cvals['top-opening-share'] * len(records)) - len(cvals['_top_records'])} more"
         if cvals["top-opening-share"] * len(records) > len(cvals["_top_records"]) else "")
-    first_near = next(((j, i) for j, i in enumerate(match) if i is not None), None)
-    near_example = f"{_loc(origins, first_near[0])} ≈ {_loc(origins, first_near[1])}" if first_near else None
     provisional = judge_collapse(cvals, collapse, len(records), R.Sink(), provenance)
     # Naming what repeats costs a pass over the answers; only a reading worth reporting pays for it.
-    repeats = what_repeats(trained_txt, cvals, near_example, seed) if {"warn", "fail"} & set(provisional.values()) else None
-    cverdicts = judge_collapse(cvals, collapse, len(records), sink, provenance, repeats, stated=bool(prov.get("value")))
+    repeats = what_repeats(trained_txt, cvals, near.example, seed) if {"warn", "fail"} & set(provisional.values()) else None
+    cverdicts = judge_collapse(cvals, collapse, len(records), sink, provenance, repeats, stated=stated)
+    return {"values": {k: v for k, v in cvals.items() if not k.startswith("_")},
+            "top_opening": cvals["_top_opening"], "sample_words": cvals["_sample_words"],
+            "verdicts": cverdicts, "min_records": collapse["min_records"]}
 
-    # Template each example on its own, then measure, then pack.
-    _progress(3, f"applying the chat template to {len(records)} records")
+
+def _template_all(templating: "_Templating", records: list, origins, sink: R.Sink) -> tuple[list, int]:
+    """Each record's (part, input_ids, labels) sequences, [] for one the template or the mask check refused."""
     seqs: list[list[tuple[str, list[int], list[int]]]] = []
     tick = max(1, len(records) // 10)
     for i, (kind, out) in enumerate(templating):
@@ -918,14 +765,14 @@ def _prepare(P: dict, closers: list) -> dict:
             seqs.append(out)
         if i % tick == tick - 1:
             _progress(3 + (i + 1) / len(records), f"templated {i + 1}/{len(records)}")
-    template_errors = sink.counts_of("chat-template") + sink.counts_of("masking")
+    return seqs, sink.counts_of("chat-template") + sink.counts_of("masking")
 
-    # Records longer than max_seq_length follow the brief's long_records policy (skill: "Long records").
-    lp = apply_length_policy(tp, records, seqs, origins, fmt, seq_len, P.get("long_records") or "drop", sink)
-    dropped_long = lp["dropped_set"]
+
+def _count_tokens(seqs: list, lp: dict, origins, fmt: str, seq_len: int, sink: R.Sink) -> tuple[list[int], list[int]]:
+    """Tokens and trained tokens of each kept sequence within seq_len; a sequence that trains nothing is an error."""
     lengths, trained_counts = [], []
     for i, parts in enumerate(seqs):
-        if i in dropped_long:
+        if i in lp["dropped_set"]:
             continue
         for part, ids, labels in parts:
             lengths.append(min(len(ids), seq_len))
@@ -936,20 +783,28 @@ def _prepare(P: dict, closers: list) -> dict:
             if kept == 0 and parts and sum(1 for x in labels if x != -100) == 0:
                 sink.error("no-trained-tokens", f"{part + ': ' if part else ''}no token carries loss: the template's mask covers none of its tokens",
                            **_where(origins, i), field=part or ("messages" if fmt in ("messages", "vision") else "completion"))
-    kept_n = len(records) - len(dropped_long)
+    return lengths, trained_counts
+
+
+def _check_enough_kept(lp: dict, n: int, fmt: str, seq_len: int, validation: dict, template_errors: int, sink: R.Sink) -> None:
+    dropped_long = lp["dropped_set"]
+    kept_n = n - len(dropped_long)
     if kept_n < validation["min_examples"] and dropped_long and not template_errors:
         q = lp["record_lengths"]
         sink.error("too-few-records", field="max_seq_length", message=(
-            f"only {kept_n} of {len(records)} records fit max_seq_length {seq_len} once the {len(dropped_long)} longer ones are dropped "
+            f"only {kept_n} of {n} records fit max_seq_length {seq_len} once the {len(dropped_long)} longer ones are dropped "
             f"(long_records: {lp['policy']}); the skill asks for at least {validation['min_examples']}: set `max_seq_length: {q['p95']}` "
             f"(keeps 95%) or `max_seq_length: {q['p99']}` (keeps 99%) under ## Dataset Expectation"
             + ("" if lp["policy"] == "truncate" or fmt == "grpo" else ", or `long_records: truncate` to cut them")))
 
-    # Split by content hash of each cluster's first record.
+
+def _split(P: dict, checked: R.Checked, clusters: _Clusters, dropped_long: set[int], sink: R.Sink) -> tuple[list[int], list[int]]:
+    """Train and eval indices, by the content hash of each near-copy cluster's first record; a dropped record is in neither."""
+    validation, seed = P["tables"]["validation"], int(P.get("seed", 0))
+    records = checked.records
     keys = checked.extra.get("keys") or [R.record_key(r) for r in records]
     frac = float(P.get("eval_fraction", 0.05))
-    score = [R.split_key(keys[root(i)], seed) for i in range(len(records))]
-    # A dropped record is in neither split.
+    score = [R.split_key(keys[clusters.root(i)], seed) for i in range(len(records))]
     live = [i not in dropped_long for i in range(len(records))]
     is_eval = [s < frac and ok for s, ok in zip(score, live)]
     need = validation["min_eval_examples"] if frac > 0 else 0
@@ -957,19 +812,18 @@ def _prepare(P: dict, closers: list) -> dict:
         for i in sorted((i for i in range(len(records)) if live[i]), key=lambda i: score[i]):
             if sum(is_eval) >= need:
                 break
-            r0 = root(i)
+            r0 = clusters.root(i)
             for j in range(len(records)):
-                if root(j) == r0 and live[j]:
+                if clusters.root(j) == r0 and live[j]:
                     is_eval[j] = True
     if any(live) and all(e for e, ok in zip(is_eval, live) if ok):
         sink.error("too-few-records", "every record landed in the eval split; lower eval_fraction")
-    train_idx = [i for i in range(len(records)) if live[i] and not is_eval[i]]
-    eval_idx = [i for i in range(len(records)) if is_eval[i]]
+    return ([i for i in range(len(records)) if live[i] and not is_eval[i]],
+            [i for i in range(len(records)) if is_eval[i]])
 
-    if tp.stop_token_trained is False:
-        sink.warn("stop-token", "the chat template leaves the assistant's end-of-turn token outside the loss mask; the model may not learn to stop",
-                  field="chat_template")
-    token_stats = {
+
+def _token_stats(lengths: list[int], trained_counts: list[int], lp: dict) -> dict:
+    return {
         "tokens_per_sequence": _stats(lengths),
         "trained_tokens_per_sequence": _stats(trained_counts) if trained_counts else None,
         "total_tokens": sum(lengths),
@@ -981,11 +835,9 @@ def _prepare(P: dict, closers: list) -> dict:
         "tokens_cut": lp["tokens_cut"],
         "max_overflow": lp["max_overflow"],
     }
-    if P.get("max_seq_length_from") == "default":
-        tps = token_stats["record_lengths"]
-        sink.warn("max-seq-length-default", f"the brief states no max_seq_length, so the {method} recipe's default {seq_len} applies "
-                  f"({P.get('max_seq_length_cite')}); 99% of the templated records fit in {tps['p99']} tokens (the longest has {tps['max']}): "
-                  f"state `max_seq_length: {tps['p99']}` under ## Dataset Expectation to train at the data's own length", field="max_seq_length")
+
+
+def _template_info(tp: "Templater") -> dict:
     template = {
         "source": tp.template_source, "sha256": tp.template_sha256, "generation_markers": tp.generation_markers,
         "stop_token_trained": tp.stop_token_trained, "assistant_only_loss": tp.assistant_only,
@@ -996,40 +848,39 @@ def _prepare(P: dict, closers: list) -> dict:
                                "attempts": tp.masking["attempts"], "rows": tp.masking["rows"],
                                "default_system_prompt": tp.masking["default_system"],
                                "system_prompt": tp.system_prompt, "summary": M.describe(tp.masking)}
-    result = {**base, "tokens": token_stats, "template": template,
-              "collapse": {"values": {k: v for k, v in cvals.items() if not k.startswith("_")},
-                           "top_opening": cvals["_top_opening"], "sample_words": cvals["_sample_words"],
-                           "verdicts": cverdicts, "min_records": collapse["min_records"]},
-              "near_duplicates": {"records": n_near, "share": round(near_share, 4), "clusters_in_one_split": True}}
-    result["counts"].update(train=len(train_idx), eval=len(eval_idx), kept=len(train_idx) + len(eval_idx),
-                            dropped_long=len(dropped_long), truncated=len(lp["truncated"]))
-    result["long_records"] = {k: v for k, v in lp.items() if k != "dropped_set"}
-    if sink.errors:
-        stage = "templating" if template_errors else "checks"
-        return {"ok": False, "stage": stage, **result, **sink.to_dict()}
+    return template
 
-    # Pack the training split exactly as SFTTrainer does, then decode from what the collator hands the model.
-    dec = validation["decoded_samples"]
-    packing = bool(P.get("packing")) and fmt in ("messages", "prompt-completion", "text")
-    pack_info = None
-    decoded: list[str] = []
-    if packing:
+
+def _samples(P: dict, tp: "Templater", checked: R.Checked, seqs: list, train_idx: list[int]) -> tuple[dict | None, list[str]]:
+    """Pack the training split exactly as SFTTrainer does, then decode from what the collator hands the model."""
+    dec = P["tables"]["validation"]["decoded_samples"]
+    seq_len, fmt = int(P["max_seq_length"]), checked.format
+    if _packs(P, fmt):
         _progress(4, f"packing {len(train_idx)} sequences at {seq_len} tokens with TRL bfd")
-        pack_info, decoded = _pack_and_decode(tp, seqs, train_idx, origins, seq_len, dec, P)
-    else:
-        _progress(4, "decoding templated examples (packing off)")
-        decoded = _decode_unpacked(tp, seqs, train_idx, origins, records, fmt, checked.reference_field, dec)
+        return _pack_and_decode(tp, seqs, train_idx, checked.origins, seq_len, dec, P)
+    _progress(4, "decoding templated examples (packing off)")
+    return None, _decode_unpacked(tp, seqs, train_idx, checked.origins, checked.records, fmt, checked.reference_field, dec)
 
-    _progress(5, "writing the splits")
+
+def _packs(P: dict, fmt: str) -> bool:
+    return bool(P.get("packing")) and fmt in ("messages", "prompt-completion", "text")
+
+
+def _write(P: dict, raw: R.Raw, checked: R.Checked, tp: "Templater", template: dict, result: dict,
+           train_idx: list[int], eval_idx: list[int], pack_info: dict | None) -> tuple[dict, dict]:
+    """train.jsonl, eval.jsonl, the chat template train.py masks with, and meta.json; returns (digests, trainer settings)."""
+    records, origins, fmt, method = checked.records, checked.origins, checked.format, P["method"]
+    seq_len = int(P["max_seq_length"])
     out = Path(P["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     digests = {}
     for name, idx in (("train.jsonl", train_idx), ("eval.jsonl", eval_idx)):
         digests[name] = _write_jsonl(out / name, [records[i] for i in idx], origins, idx)
     if tp.masking is not None:
-        # train.py renders and masks with exactly this template (and jobs/masking.py copied into it).
+        # train.py renders and masks with exactly this template (and common/masking.py copied beside it).
         (out / "chat_template.jinja").write_text(tp.masking["template"], encoding="utf-8")
         template["file"] = "chat_template.jinja"
+    packing = _packs(P, fmt)
     weighted = fmt == "messages" and any(m.get("weight") == 0 for r in records for m in r["messages"] if isinstance(m, dict))
     trainer = _trainer_settings(fmt, method, seq_len, packing, checked.reference_field, weighted)
     meta = {
@@ -1039,29 +890,27 @@ def _prepare(P: dict, closers: list) -> dict:
         "format": fmt,
         "conversion": checked.conversion,
         "conversion_report": checked.extra.get("report"),
-        "provenance": base["provenance"],
+        "provenance": result["provenance"],
         "max_seq_length_from": P.get("max_seq_length_from", "brief"),
         "source": P["source"],
         "source_files": raw.files,
         "source_sha256": R.file_digests([f for f in raw.files if Path(f).exists()]) if P["source"]["kind"] == "path" else {},
         "counts": result["counts"],
         "split": {"rule": "blake2b(seed:record) < eval_fraction; near-duplicate clusters share a split",
-                  "seed": seed, "eval_fraction": frac},
+                  "seed": int(P.get("seed", 0)), "eval_fraction": float(P.get("eval_fraction", 0.05))},
         "max_seq_length": seq_len,
         "long_records": result["long_records"],
-        "exact_duplicates": base["duplicates"],
+        "exact_duplicates": result["duplicates"],
         "chat_template": template,
         "trainer_settings": trainer,
         "reference_field": checked.reference_field,
         "files": digests,
-        "tokens": token_stats,
+        "tokens": result["tokens"],
         "packing": pack_info,
         "versions": _versions(),
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    _progress(6, "done")
-    return {"ok": True, "stage": "done", **result, "packing": pack_info, "decoded_samples": decoded,
-            "trainer_settings": trainer, "files_sha256": digests, "meta": "meta.json", **sink.to_dict()}
+    return digests, trainer
 
 
 def _trainer_settings(fmt: str, method: str, seq_len: int, packing: bool, ref: str | None, weighted: bool = False) -> dict:
@@ -1073,7 +922,7 @@ def _trainer_settings(fmt: str, method: str, seq_len: int, packing: bool, ref: s
         if fmt == "text":
             s["dataset_text_field"] = "text"
     if weighted:
-        # Assistant messages with "weight": 0 are context, not targets: jobs/masking.py (here, and copied into
+        # Assistant messages with "weight": 0 are context, not targets: common/masking.py (here, and copied into
         # train.py) drops their spans; the flag says the records rely on it.
         s["message_weights"] = True
     if method == "grpo":
@@ -1262,7 +1111,7 @@ def _job(params: dict) -> dict:
 if __name__ == "__main__":
     code = 0
     try:
-        _proto.run_main(_job)
+        run_main(_job)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     # The result line is flushed; skip the interpreter's slow teardown of torch and friends.

@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.jobs._proto import emit_progress, run_main
+from finetune_mcp.common.proto import emit_progress, run_main
 
 # Import order matters: Unsloth patches transformers/TRL and wants to be imported before them,
 # the way a generated train.py does it.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+from finetune_mcp.common.proto import JobError, emit_progress, run_main
 
 ALLOW = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py", "*.md", "tokenizer*", "LICENSE*"]
 

@@ -14,9 +14,10 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from finetune_mcp.jobs._proto import JobError, emit_progress, run_main
+from finetune_mcp.common.proto import JobError, emit_progress, run_main
 
 
 def _rss_gb() -> float:
@@ -24,17 +25,61 @@ def _rss_gb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
-def probe(P: dict[str, Any]) -> dict[str, Any]:
+def _rss_peak() -> tuple[list[float], threading.Event]:
+    """Samples this process's resident memory every 50 ms into [peak] until the event is set."""
+    peak = [_rss_gb()]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], _rss_gb())
+
+    threading.Thread(target=sample, daemon=True).start()
+    return peak, stop
+
+
+@dataclass
+class Trainee:
+    """The base model with LoRA and its AdamW, as training holds them, fed seeded random token ids."""
+
+    model: Any
+    opt: Any
+    cuda: bool
+    reference_forward: bool
+    gen: Any
+
+    def timed(self, n: int, rows: int, length: int, tag: str) -> list[float]:
+        import torch
+
+        model, vocab = self.model, self.model.config.vocab_size
+        times = []
+        for i in range(n):
+            x = torch.randint(0, vocab, (rows, length), generator=self.gen)
+            mask = torch.ones_like(x)
+            mask[0, -1] = 0  # a padded position, so attention takes the same kernel as a padded batch does
+            if self.cuda:
+                x, mask = x.cuda(), mask.cuda()
+            t0 = time.perf_counter()
+            if self.reference_forward:
+                with torch.no_grad(), model.disable_adapter():
+                    model(input_ids=x, attention_mask=mask)
+            out = model(input_ids=x, attention_mask=mask, labels=x)
+            out.loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self.cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            del out
+            emit_progress(len(times), n, f"{tag} step {i + 1}/{n}: {times[-1]:.2f} s")
+        return times
+
+
+def load_trainee(P: dict[str, Any], dtype, cuda: bool) -> Trainee:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
-    steps = max(2, int(P.get("steps", 3)))
-    b = int(P["micro_batch"]) * int(P.get("sequences_per_example", 1))
-    s = int(P["tokens_per_sequence"])
-    emit_progress(0, steps + 1, f"loading {P['model_path']}")
     try:
         model = AutoModelForCausalLM.from_pretrained(P["model_path"], dtype=dtype)
     except Exception as e:
@@ -51,50 +96,31 @@ def probe(P: dict[str, Any]) -> dict[str, Any]:
     model = get_peft_model(model, LoraConfig(r=int(P.get("lora_r", 16)), lora_alpha=int(P.get("lora_r", 16)),
                                              target_modules=targets, task_type="CAUSAL_LM"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    peak = [_rss_gb()]
-    stop = threading.Event()
+    return Trainee(model, opt, cuda, bool(P.get("reference_forward")), torch.Generator().manual_seed(0))
 
-    def sample():
-        while not stop.wait(0.05):
-            peak[0] = max(peak[0], _rss_gb())
 
-    threading.Thread(target=sample, daemon=True).start()
+def probe(P: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    steps = max(2, int(P.get("steps", 3)))
+    b = int(P["micro_batch"]) * int(P.get("sequences_per_example", 1))
+    s = int(P["tokens_per_sequence"])
+    emit_progress(0, steps + 1, f"loading {P['model_path']}")
+    trainee = load_trainee(P, dtype, cuda)
+    peak, stop = _rss_peak()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
-    def timed(n: int, rows: int, length: int, tag: str) -> list[float]:
-        times = []
-        for i in range(n):
-            x = torch.randint(0, vocab, (rows, length), generator=gen)
-            mask = torch.ones_like(x)
-            mask[0, -1] = 0  # a padded position, so attention takes the same kernel as a padded batch does
-            if cuda:
-                x, mask = x.cuda(), mask.cuda()
-            t0 = time.perf_counter()
-            if P.get("reference_forward"):
-                with torch.no_grad(), model.disable_adapter():
-                    model(input_ids=x, attention_mask=mask)
-            out = model(input_ids=x, attention_mask=mask, labels=x)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            del out
-            emit_progress(len(times), n, f"{tag} step {i + 1}/{n}: {times[-1]:.2f} s")
-        return times
-
-    times = timed(steps, b, s, f"{b} x {s} tokens:")
+    times = trainee.timed(steps, b, s, f"{b} x {s} tokens:")
     # The longest shape gives the peak; an average step pads only to the longest of its own rows. Where that is
     # clearly shorter, time it too: seconds per micro-step are not proportional to tokens (the optimizer step and
     # per-layer overheads do not shrink), so the run's time is read at a measured shape, not scaled.
     t_len = int(P.get("time_tokens_per_sequence") or 0)
     expected = None
     if 0 < t_len < 0.9 * s:
-        short = timed(max(2, steps - 1), b, t_len, f"{b} x {t_len} tokens:")
+        short = trainee.timed(max(2, steps - 1), b, t_len, f"{b} x {t_len} tokens:")
         expected = {"batch_shape": [b, t_len], "s_per_micro_step": round(statistics.median(short), 4)}
     stop.set()
     steady = times[1:]

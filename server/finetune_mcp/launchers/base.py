@@ -25,11 +25,12 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import psutil
 
-from finetune_mcp.errors import JobFailed
+from finetune_mcp.common.errors import JobFailed
+from finetune_mcp.launchers.runwrap import run_processes
 
 WRAPPER_NAME = ".runwrap.py"
 STOP_MARKER = "stop-requested"
-_WRAPPER_SRC = Path(__file__).resolve().parent / "runwrap.py"
+WRAPPER_SRC = Path(__file__).resolve().parent / "runwrap.py"
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class SupervisedLauncher(Launcher):
     def start(self, spec: RunSpec) -> dict[str, Any]:
         cmd = self.render(spec)
         wrapper = spec.run_dir / WRAPPER_NAME
-        shutil.copyfile(_WRAPPER_SRC, wrapper)
+        shutil.copyfile(WRAPPER_SRC, wrapper)
         (spec.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         argv = [self.supervisor_python(spec), str(wrapper), "--run-dir", str(spec.run_dir), "--", *cmd]
         # The supervisor's own complaints (it cannot even start) land here; the trainer's in stdout.log.
@@ -148,8 +149,6 @@ class SupervisedLauncher(Launcher):
         except psutil.NoSuchProcess:
             return
         # Ranks torchrun started in sessions of their own, or orphaned ones, carry the run's marker.
-        from finetune_mcp.launchers.runwrap import run_processes
-
         known = {p.pid for p in victims}
         for pid in run_processes(str(run_dir), exclude=sup.pid):
             if pid not in known:
@@ -172,22 +171,23 @@ class SupervisedLauncher(Launcher):
             sent.append("SIGTERM")
         except ProcessLookupError:
             return sent
-        if _wait(lambda: not self.alive(run_dir, run_json), grace, tick, "waiting for the trainer to save and exit"):
+        if wait_until(lambda: not self.alive(run_dir, run_json), grace, tick, "waiting for the trainer to save and exit"):
             return sent
         self.escalate(run_dir, run_json)
         sent.append("SIGKILL")
-        if _wait(lambda: not self.alive(run_dir, run_json), 15.0, tick, "waiting for the supervisor to record the exit"):
+        if wait_until(lambda: not self.alive(run_dir, run_json), 15.0, tick, "waiting for the supervisor to record the exit"):
             return sent
         # A supervisor that cannot even record the exit is beyond saving; the caller writes exit.json.
         try:
             os.killpg(int(run_json.get("pgid") or run_json["pid"]), signal.SIGKILL)
         except ProcessLookupError:
             pass
-        _wait(lambda: not self.alive(run_dir, run_json), 5.0, None, "")
+        wait_until(lambda: not self.alive(run_dir, run_json), 5.0, None, "")
         return sent
 
 
-def _wait(done: Callable[[], bool], seconds: float, tick: Tick | None, what: str) -> bool:
+def wait_until(done: Callable[[], bool], seconds: float, tick: Tick | None, what: str) -> bool:
+    """Whether `done()` came true within `seconds` (checked every 0.1 s), telling `tick` `what` once a second."""
     deadline = time.monotonic() + seconds
     last_tick = 0.0
     while True:

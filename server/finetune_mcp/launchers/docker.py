@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.errors import Refused
+from finetune_mcp.common.errors import Refused
 from finetune_mcp.launchers.base import RunSpec, SupervisedLauncher
 from finetune_mcp.launchers.torchrun import torchrun_argv
 

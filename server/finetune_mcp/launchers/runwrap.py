@@ -153,18 +153,11 @@ def _write_json_atomic(path: str, obj: dict) -> None:
         os.close(dfd)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) < 4 or argv[0] != "--run-dir" or argv[2] != "--":
-        print("usage: .runwrap.py --run-dir DIR -- COMMAND...", file=sys.stderr)
-        return 2
-    run_dir, cmd = os.path.abspath(argv[1]), argv[3:]
-    logs = os.path.join(run_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
-    exit_path = os.path.join(run_dir, "exit.json")
-    stop_path = os.path.join(run_dir, STOP_MARKER)
-    child: list[subprocess.Popen] = []
-    early: list[int] = []
+def _stopped_by(stop_path: str) -> str | None:
+    return "stop_run" if os.path.exists(stop_path) else None
 
+
+def _handle_signals(child: list[subprocess.Popen], early: list[int], stop_path: str) -> None:
     def on_signal(signum, frame):
         # stop_run signals the whole process group, so the trainer already has it; anyone who
         # signals this supervisor alone (kill <pid> from run.json) means the run, so pass it on.
@@ -181,17 +174,69 @@ def main(argv: list[str]) -> int:
     # A closing terminal or a dying server is no reason for the run to end.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
+
+def _archive_previous_exit(exit_path: str, logs: str) -> None:
+    """The run starts again in its own directory (a requeued Slurm job): the end of the attempt before is
+    history, not this attempt's status."""
     if os.path.exists(exit_path):
-        # The run starts again in its own directory (a requeued Slurm job): the end of the attempt before is
-        # history, not this attempt's status.
         n = 1
         while os.path.exists(os.path.join(logs, f"exit-attempt-{n}.json")):
             n += 1
         os.replace(exit_path, os.path.join(logs, f"exit-attempt-{n}.json"))
+
+
+def _record_pid(run_dir: str, pid: int) -> None:
+    with open(os.path.join(run_dir, ".trainer.pid.tmp"), "w") as f:
+        f.write(f"{pid}\n")
+    os.replace(os.path.join(run_dir, ".trainer.pid.tmp"), os.path.join(run_dir, ".trainer.pid"))
+
+
+def _wait_and_sweep(proc: subprocess.Popen, run_dir: str, cap: dict | None, out) -> tuple[int, list[int], dict | None]:
+    """The trainer's return code, then what it left behind (killed) and what the memory cap saw."""
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except InterruptedError:
+            continue
+    leftovers = _sweep(run_dir)
+    memory = _cap_report(cap)
+    if memory and memory.get("oom_killed"):
+        out.write(f"finetune-mcp: the memory cap of {memory['mb']:g} MB was reached ({memory['mechanism']}: "
+                  f"{memory.get('events') or ('failcnt ' + str(memory.get('failcnt')))})\n".encode())
+    if leftovers:
+        out.write(f"finetune-mcp: killed {len(leftovers)} process(es) the trainer left behind: {leftovers}\n".encode())
+    return rc, leftovers, memory
+
+
+def _signal_of(rc: int) -> tuple[int, str | None]:
+    """A return code in the shell convention (128 + signal number) and the signal's name, for a killed trainer."""
+    if rc >= 0:
+        return rc, None
+    try:
+        sig = signal.Signals(-rc).name
+    except ValueError:
+        sig = f"SIG{-rc}"
+    return 128 - rc, sig
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[0] != "--run-dir" or argv[2] != "--":
+        print("usage: .runwrap.py --run-dir DIR -- COMMAND...", file=sys.stderr)
+        return 2
+    run_dir, cmd = os.path.abspath(argv[1]), argv[3:]
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    exit_path = os.path.join(run_dir, "exit.json")
+    stop_path = os.path.join(run_dir, STOP_MARKER)
+    child: list[subprocess.Popen] = []
+    early: list[int] = []
+    _handle_signals(child, early, stop_path)
+    _archive_previous_exit(exit_path, logs)
     with open(os.path.join(logs, "stdout.log"), "ab", buffering=0) as out:
         if early:  # stopped before the trainer existed: do not start it at all
             _write_json_atomic(exit_path, {"returncode": 128 + early[0], "signal": signal.Signals(early[0]).name,
-                                           "ended_at": _utc_now(), "stopped_by": "stop_run" if os.path.exists(stop_path) else None,
+                                           "ended_at": _utc_now(), "stopped_by": _stopped_by(stop_path),
                                            "pid": None, "wrapper_pid": os.getpid()})
             return 128 + early[0]
         cap = _memory_cap(run_dir)
@@ -204,41 +249,21 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             out.write(f"finetune-mcp: cannot start {cmd[0]!r}: {e}\n".encode())
             _write_json_atomic(exit_path, {"returncode": 127, "signal": None, "ended_at": _utc_now(),
-                                           "stopped_by": "stop_run" if os.path.exists(stop_path) else None,
+                                           "stopped_by": _stopped_by(stop_path),
                                            "pid": None, "wrapper_pid": os.getpid(), "error": str(e)})
             return 127
         proc = child[0]
         if early:
             proc.send_signal(early[0])
-        with open(os.path.join(run_dir, ".trainer.pid.tmp"), "w") as f:
-            f.write(f"{proc.pid}\n")
-        os.replace(os.path.join(run_dir, ".trainer.pid.tmp"), os.path.join(run_dir, ".trainer.pid"))
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except InterruptedError:
-                continue
-        leftovers = _sweep(run_dir)
-        memory = _cap_report(cap)
-        if memory and memory.get("oom_killed"):
-            out.write(f"finetune-mcp: the memory cap of {memory['mb']:g} MB was reached ({memory['mechanism']}: "
-                      f"{memory.get('events') or ('failcnt ' + str(memory.get('failcnt')))})\n".encode())
-        if leftovers:
-            out.write(f"finetune-mcp: killed {len(leftovers)} process(es) the trainer left behind: {leftovers}\n".encode())
+        _record_pid(run_dir, proc.pid)
+        rc, leftovers, memory = _wait_and_sweep(proc, run_dir, cap, out)
 
-    sig = None
-    if rc < 0:
-        try:
-            sig = signal.Signals(-rc).name
-        except ValueError:
-            sig = f"SIG{-rc}"
-        rc = 128 - rc
+    rc, sig = _signal_of(rc)
     _write_json_atomic(exit_path, {
         "returncode": rc,
         "signal": sig,
         "ended_at": _utc_now(),
-        "stopped_by": "stop_run" if os.path.exists(stop_path) else None,
+        "stopped_by": _stopped_by(stop_path),
         "pid": proc.pid,
         "wrapper_pid": os.getpid(),
         "leftovers_killed": leftovers,

@@ -23,9 +23,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.errors import BadInput, JobFailed, Refused
-from finetune_mcp.launchers.base import STOP_MARKER, WRAPPER_NAME, _WRAPPER_SRC, Launcher, RunSpec, Tick, _wait
-from finetune_mcp.workspace import atomic_write_text, utc_now
+from finetune_mcp.common.errors import BadInput, JobFailed, Refused
+from finetune_mcp.launchers.base import STOP_MARKER, WRAPPER_NAME, WRAPPER_SRC, Launcher, RunSpec, Tick, wait_until
+from finetune_mcp.workspace import atomic_write_text, read_json_file, utc_now
+
 
 SBATCH_NAME = "slurm.sbatch"
 END_RECORD = "logs/slurm-job.txt"  # the scheduler's view of the job, saved by the batch script as it ends
@@ -155,13 +156,6 @@ def read_end_record(run_dir: Path) -> dict[str, str]:
         return parse_job_record((run_dir / END_RECORD).read_text(errors="replace"))
     except OSError:
         return {}
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 # --- where the run directory lives --------------------------------------------------------------
@@ -392,7 +386,7 @@ class SlurmLauncher(Launcher):
     def start(self, spec: RunSpec) -> dict[str, Any]:
         R = spec.run_dir
         (R / "logs").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_WRAPPER_SRC, R / WRAPPER_NAME)
+        shutil.copyfile(WRAPPER_SRC, R / WRAPPER_NAME)
         script = R / SBATCH_NAME
         _atomic_write(script, self.render_script(spec), 0o755)
         # --export=ALL on the command line: the job gets the run's environment (as a local run does)
@@ -420,7 +414,7 @@ class SlurmLauncher(Launcher):
         """The run's status in poll_progress's words, from the scheduler while it knows the job, else
         from what the job wrote: {status, detail, exit_code, signal, scheduler_state, source}."""
         job_id = str(run_json.get("job_id") or "")
-        exit_info = _read_json(run_dir / "exit.json")
+        exit_info = read_json_file(run_dir / "exit.json")
         stop_asked = (run_dir / STOP_MARKER).exists()
         known, rec = query_job(job_id) if job_id else ("forgotten", {})
         source = "scontrol"
@@ -502,7 +496,7 @@ class SlurmLauncher(Launcher):
             return []
         if known == "known" and state in STARTING_STATES:
             self._scancel([job_id])
-            _wait(lambda: not self._running(job_id), 15.0, tick, "waiting for the scheduler to cancel the pending job")
+            wait_until(lambda: not self._running(job_id), 15.0, tick, "waiting for the scheduler to cancel the pending job")
             if not (run_dir / "exit.json").exists():
                 # The trainer never started, so no supervisor will record an exit: say so here.
                 _atomic_write(run_dir / "exit.json", json.dumps({
@@ -513,12 +507,12 @@ class SlurmLauncher(Launcher):
         sent = []
         if self._scancel(["--signal=TERM", "--full", job_id], allow_fail=True):
             sent.append("SIGTERM")
-        if _wait(lambda: not self._running(job_id), grace, tick, "waiting for the trainer to save and exit"):
+        if wait_until(lambda: not self._running(job_id), grace, tick, "waiting for the trainer to save and exit"):
             return sent
         # scancel proper: the scheduler's own SIGTERM, then SIGKILL after the cluster's KillWait.
         self._scancel([job_id])
         sent.append("scancel")
-        _wait(lambda: not self._running(job_id), 60.0, tick, "waiting for the scheduler to end the job")
+        wait_until(lambda: not self._running(job_id), 60.0, tick, "waiting for the scheduler to end the job")
         return sent
 
     def _running(self, job_id: str) -> bool:

@@ -19,86 +19,18 @@ from typing import Any
 
 from finetune_mcp import schemas as S
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.errors import BadInput, Refused
-from finetune_mcp.phases.gate import (
-    MAX_GOLDENS,
-    _base_words,
-    _cell,
-    _prompt_text,
-    adapter_digest,
-    append_roadbook,
-    base_model_identity,
-    base_model_of,
-    load_run_brief,
-    run_paths,
-    verify_evaluation,
-)
+from finetune_mcp.common.errors import BadInput, Refused
+from finetune_mcp.domain.run_facts import adapter_digest, append_roadbook, base_model_of, load_run_brief, run_paths
+from finetune_mcp.domain.verdicts import cell, prompt_text, read_verdict
+from finetune_mcp.worker import run_job
 from finetune_mcp.workspace import utc_now
+
 
 SKILL = "quantized-export"
 CONVERTER_ENV = "FINETUNE_MCP_LLAMA_CPP_CONVERTER"
 SDIST_ENV = "FINETUNE_MCP_LLAMA_CPP_SDIST"
 PRE_TOKENIZER_ENV = "FINETUNE_MCP_GGUF_PRE_TOKENIZER"
 _SDIST_RE = re.compile(r"^llama_cpp_python-(\d+(?:\.\d+)*)\.tar\.gz$")
-
-
-# ---------------------------------------------------------------- the verdict
-
-
-def read_verdict(pc: PhaseContext, r: Path, run_id: str, digest: str) -> dict[str, Any]:
-    """The verified verdict payload bound to this run, this adapter and this base model, or Refused saying why not.
-    Public key only: the training user can run this where the private key is out of its reach."""
-    from finetune_mcp import signing
-    from finetune_mcp.workspace import parse_run_ref
-
-    experiment, _ = parse_run_ref(run_id)
-    path = pc.ws.verdict_path(experiment, run_id)
-    if not path.is_file():
-        raise Refused(
-            f"run {run_id} has no verdict: export needs a signed PROMOTE from the eval engineer",
-            where=str(path),
-            fix="hand the run over for Phase 5: the eval engineer runs evaluate_checkpoint and record_verdict",
-        )
-    public = signing.load_public_key(pc.ws)
-    block = signing.verify_report(pc.guard.read_text(path), public, str(path))
-    if block.get("run_id") != run_id:
-        raise Refused(
-            f"the verdict in promotion-report.md was signed for run {block.get('run_id')!r}, not {run_id!r}: it was copied from another run",
-            where=str(path),
-            fix="a verdict covers only the run it was recorded for; ask the eval engineer to evaluate this run",
-        )
-    if block.get("adapter_sha256") != digest:
-        raise Refused(
-            f"the adapter changed after the verdict: it was judged at sha256 {str(block.get('adapter_sha256'))[:12]}…, adapter/ is now {digest[:12]}…",
-            where=str(r / "adapter"),
-            fix="a verdict covers only the exact adapter it judged; ask the eval engineer to evaluate the current adapter",
-        )
-    if signing.sha256_text(block.get("evidence") or "") != block.get("evidence_sha256"):
-        raise Refused("the verdict's evidence does not match its digest", where=str(path), fix="ask the eval engineer to record the verdict again")
-    if block.get("verdict") != "PROMOTE":
-        return block
-    # The evaluation the PROMOTE rests on, with its own signature: of this run, this adapter, this base model.
-    where = f"{path}: evaluation"
-    ev = verify_evaluation(block.get("evaluation"), public, where)
-    if ev.get("run_id") != run_id or ev.get("experiment") != experiment:
-        raise Refused(f"the verdict embeds an evaluation of run {ev.get('run_id')!r}, not {run_id!r}", where=where,
-                      fix="ask the eval engineer to evaluate this run and record the verdict again")
-    if ev.get("adapter_sha256") != digest:
-        raise Refused(f"the verdict embeds an evaluation of adapter sha256 {str(ev.get('adapter_sha256'))[:12]}…, not of adapter/ "
-                      f"({digest[:12]}…)", where=where, fix="ask the eval engineer to evaluate the current adapter")
-    goldens = [{"prompt": g.get("prompt"), "output": g.get("output")} for g in (ev.get("goldens") or [])[:MAX_GOLDENS]]
-    if block.get("goldens") != goldens or block.get("base_model") != ev.get("base_model"):
-        raise Refused("the verdict's goldens or base model differ from those of the evaluation it embeds", where=str(path),
-                      fix="ask the eval engineer to record the verdict again")
-    base = base_model_identity(pc, r, load_run_brief(r, pc.ws.experiments_dir / experiment))
-    if base != ev.get("base_model"):
-        raise Refused(
-            f"the base model is not the one the verdict judged: evaluated on {_base_words(ev.get('base_model'))}, the run now loads {_base_words(base)}",
-            where=str(r / "config.yaml"),
-            fix="restore the base model the run was evaluated on (base-models/ or the run's config.yaml), or ask the eval engineer to evaluate "
-                "the run on this one and record the verdict again",
-        )
-    return block
 
 
 # ---------------------------------------------------------------- format map
@@ -241,23 +173,57 @@ def converter_path(pc: PhaseContext) -> Path:
 _FTYPES = {"gguf-q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "gguf-q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
-def export(pc: PhaseContext, run_id: str, format: str | None = None, target_runtime: str | None = None) -> S.ExportResult:
-    from finetune_mcp.worker import run_job
-
+def export(pc: PhaseContext, args: S.ExportArgs) -> S.ExportResult:
+    """Stages: the verdict (a REJECT is passed along, nothing exported) -> choose runtime and format -> the
+    export_model job (artifact + smoke test) in the worker -> the reports -> the result."""
+    run_id = args.run_id
     experiment, r, e = run_paths(pc, run_id)
     digest = adapter_digest(r, run_id)
     verdict = read_verdict(pc, r, run_id, digest)
     if verdict["verdict"] == "REJECT":
-        append_roadbook(pc, r, f"export: not run — signed REJECT ({verdict['signed_at']}) passed along")
-        return S.ExportResult(
-            summary=f"{run_id} was REJECTED by the eval engineer; nothing exported. Pass the verdict along and wait for instructions — no retraining on your own authority.",
-            citations=[pc.skills.cite(SKILL, "verdict-gate")],
-            run_id=run_id,
-            exported=False,
-            verdict="REJECT",
-            evidence=verdict.get("evidence"),
-            top_remediation=verdict.get("top_remediation"),
-        )
+        return _pass_reject_along(pc, r, run_id, verdict)
+    _check_promote(pc, experiment, run_id, verdict)
+    brief = load_run_brief(r, e)
+    rt, fm, why = choose(pc, brief, args.format, args.target_runtime)
+    params = _job_params(pc, run_id, experiment, r, brief, verdict, rt, fm)
+    converter = params["converter"]
+    res = run_job("export_model", params, progress=pc.progress, timeout=6 * 3600)
+    # The artifact must come from the adapter the verdict named, not one swapped in meanwhile.
+    if adapter_digest(r, run_id) != digest:
+        raise Refused("adapter/ changed during the export; the artifact cannot be trusted", where=str(r / "adapter"), fix="ask for a fresh verdict, then export again")
+    smoke = res["smoke"]
+    done = bool(smoke.get("passed"))
+    report = _write_reports(pc, r, run_id, verdict, rt, fm, why, res, done, converter)
+    append_roadbook(pc, r, f"export {fm.id} for {rt.id}: {'done' if done else 'not done'} ({report})")
+    citations = [pc.skills.cite(SKILL, "format-map"), pc.skills.cite(SKILL, "smoke-test"), pc.skills.cite(SKILL, fm.cite), pc.skills.cite(SKILL, rt.cite)]
+    return S.ExportResult(
+        summary=_summary(run_id, rt, fm, smoke, done),
+        citations=list(dict.fromkeys(citations)),
+        run_id=run_id,
+        exported=done,
+        verdict="PROMOTE",
+        format=fm.id,
+        target_runtime=rt.id,
+        artifacts=[a["path"] for a in res["artifacts"]],
+        smoke_test=smoke,
+        report=str(report),
+    )
+
+
+def _pass_reject_along(pc: PhaseContext, r: Path, run_id: str, verdict: dict) -> S.ExportResult:
+    append_roadbook(pc, r, f"export: not run — signed REJECT ({verdict['signed_at']}) passed along")
+    return S.ExportResult(
+        summary=f"{run_id} was REJECTED by the eval engineer; nothing exported. Pass the verdict along and wait for instructions — no retraining on your own authority.",
+        citations=[pc.skills.cite(SKILL, "verdict-gate")],
+        run_id=run_id,
+        exported=False,
+        verdict="REJECT",
+        evidence=verdict.get("evidence"),
+        top_remediation=verdict.get("top_remediation"),
+    )
+
+
+def _check_promote(pc: PhaseContext, experiment: str, run_id: str, verdict: dict) -> None:
     if verdict["verdict"] != "PROMOTE":
         raise Refused(f"unknown verdict {verdict['verdict']!r} in a signed report", where=str(pc.ws.verdict_path(experiment, run_id)))
     goldens = verdict.get("goldens") or []
@@ -265,20 +231,20 @@ def export(pc: PhaseContext, run_id: str, format: str | None = None, target_runt
         raise Refused(f"the verdict carries {len(goldens)} golden outputs; the smoke test needs 3-5", where=str(pc.ws.verdict_path(experiment, run_id)),
                       fix="ask the eval engineer to add goldens to eval/goldens.jsonl, evaluate and record the verdict again")
 
-    brief = load_run_brief(r, e)
-    rt, fm, why = choose(pc, brief, format, target_runtime)
+
+def _job_params(pc: PhaseContext, run_id: str, experiment: str, r: Path, brief, verdict: dict, rt, fm) -> dict[str, Any]:
     export_dir = pc.guard.check_write(r / "export")
     merged_dir = pc.guard.check_write(r / "merged")
     converter = str(converter_path(pc)) if fm.container == "gguf" else None
     metrics = verdict.get("metrics") or {}
-    params = {
+    return {
         "run_id": run_id,
         "base_model": base_model_of(pc, r, brief),
         "adapter_dir": str(r / "adapter"),
         "format": fm.id,
         "runtime": rt.id,
         "smoke_runtime": rt.smoke_runtime,
-        "goldens": goldens,
+        "goldens": verdict.get("goldens") or [],
         "max_new_tokens": metrics.get("max_new_tokens") or 32,
         "export_dir": str(export_dir),
         "merged_dir": str(merged_dir),
@@ -291,55 +257,42 @@ def export(pc: PhaseContext, run_id: str, format: str | None = None, target_runt
         "pre_tokenizer": os.environ.get(PRE_TOKENIZER_ENV) or None,
         "modelfile": rt.modelfile,
     }
-    res = run_job("export_model", params, progress=pc.progress, timeout=6 * 3600)
-    # The artifact must come from the adapter the verdict named, not one swapped in meanwhile.
-    if adapter_digest(r, run_id) != digest:
-        raise Refused("adapter/ changed during the export; the artifact cannot be trusted", where=str(r / "adapter"), fix="ask for a fresh verdict, then export again")
-    smoke = res["smoke"]
-    done = bool(smoke.get("passed"))
+
+
+def _write_reports(pc: PhaseContext, r: Path, run_id: str, verdict: dict, rt, fm, why: list[str], res: dict, done: bool,
+                   converter: str | None) -> Path:
+    """One section per format, each replaced by its next export; export-report.md shows them all."""
+    export_dir = r / "export"
     report = export_dir / "export-report.md"
-    citations = [pc.skills.cite(SKILL, "format-map"), pc.skills.cite(SKILL, "smoke-test"), pc.skills.cite(SKILL, fm.cite), pc.skills.cite(SKILL, rt.cite)]
-    citations = list(dict.fromkeys(citations))
-    # One section per format, each replaced by its next export; export-report.md shows them all.
     pc.guard.write_text(export_dir / f"export-report.{fm.id}.md", _export_report(run_id, verdict, rt, fm, why, res, done, converter))
     sections = [export_dir / f"export-report.{f.id}.md" for f in pc.skills.table(SKILL, "format-map").formats]
     body = "\n\n".join(p.read_text(encoding="utf-8").split("\n", 1)[1].strip() for p in sections if p.is_file())
     pc.guard.write_text(report, f"# Export report: {run_id}\n\nLatest: {fm.id} for {rt.id}, {'DONE' if done else 'NOT DONE'} ({utc_now()}).\n\n{body}\n")
-    arts = [a["path"] for a in res["artifacts"]]
+    return report
+
+
+def _summary(run_id: str, rt, fm, smoke: dict, done: bool) -> str:
     if done:
         items = smoke["items"]
         summary = f"exported {run_id} as {fm.id} for {rt.id}; smoke test in {smoke['runtime']} passed ({smoke['criterion']}) on {len(items)} goldens"
         if fm.max_tie_margin is not None:
             summary += (f": {sum(i['identical'] for i in items)} identical, the largest logit gap {max(i['max_logit_gap'] for i in items):.4f} nats"
                         f" (limit {fm.max_tie_margin})")
-    elif not smoke.get("ran"):
-        summary = f"{fm.id} for {rt.id} written but NOT done: the smoke test could not run in {smoke['runtime']} ({smoke.get('reason')}); run export again where it can"
-    else:
-        items = smoke["items"]
-        why_not = []
-        bad = [i for i in items if not i["meets_criterion"]]
-        if bad:
-            why_not.append(f"{len(bad)} of {len(items)} goldens miss the criterion ({smoke['criterion']})")
-        if any(not i["matches_verdict"] for i in items):
-            why_not.append(f"base + adapter no longer reproduce {sum(not i['matches_verdict'] for i in items)} of the verdict's golden outputs")
-        if any(i.get("tokenizer_match") is False for i in items):
-            why_not.append("llama.cpp tokenizes the prompts differently")
-        if smoke.get("modelfile_template_match") is False:
-            why_not.append("the Modelfile template renders the prompts differently")
-        summary = f"{fm.id} for {rt.id} written but NOT done: the smoke test failed — {'; '.join(why_not) or 'see the report'}"
-    append_roadbook(pc, r, f"export {fm.id} for {rt.id}: {'done' if done else 'not done'} ({report})")
-    return S.ExportResult(
-        summary=summary,
-        citations=citations,
-        run_id=run_id,
-        exported=done,
-        verdict="PROMOTE",
-        format=fm.id,
-        target_runtime=rt.id,
-        artifacts=arts,
-        smoke_test=smoke,
-        report=str(report),
-    )
+        return summary
+    if not smoke.get("ran"):
+        return f"{fm.id} for {rt.id} written but NOT done: the smoke test could not run in {smoke['runtime']} ({smoke.get('reason')}); run export again where it can"
+    items = smoke["items"]
+    why_not = []
+    bad = [i for i in items if not i["meets_criterion"]]
+    if bad:
+        why_not.append(f"{len(bad)} of {len(items)} goldens miss the criterion ({smoke['criterion']})")
+    if any(not i["matches_verdict"] for i in items):
+        why_not.append(f"base + adapter no longer reproduce {sum(not i['matches_verdict'] for i in items)} of the verdict's golden outputs")
+    if any(i.get("tokenizer_match") is False for i in items):
+        why_not.append("llama.cpp tokenizes the prompts differently")
+    if smoke.get("modelfile_template_match") is False:
+        why_not.append("the Modelfile template renders the prompts differently")
+    return f"{fm.id} for {rt.id} written but NOT done: the smoke test failed — {'; '.join(why_not) or 'see the report'}"
 
 
 def _export_report(run_id: str, verdict: dict, rt, fm, why: list[str], res: dict, done: bool, converter: str | None) -> str:
@@ -364,7 +317,7 @@ def _export_report(run_id: str, verdict: dict, rt, fm, why: list[str], res: dict
                 + (" tokenizer match |" if "tokenizer_match" in first else "") + " meets criterion |",
                 "|---|---|---|---|---|---|" + ("---|---|---|" if gaps else "") + ("---|" if "tokenizer_match" in first else "") + "---|"]
         for i, it in enumerate(smoke["items"], 1):
-            row = f"| {i} | {_cell(_prompt_text(it['prompt']), 40)} | {_cell(repr(it['pre_export']), 40)} | {_cell(repr(it['post_export']), 40)} | " \
+            row = f"| {i} | {cell(prompt_text(it['prompt']), 40)} | {cell(repr(it['pre_export']), 40)} | {cell(repr(it['post_export']), 40)} | " \
                   f"{'yes' if it['identical'] else 'NO'} | {it['similarity']:.3f} |"
             if gaps:
                 fd = it.get("first_divergence")

@@ -26,7 +26,7 @@ fi
 # A run is reproducible only from a commit: refuse uncommitted changes to the script or its configs.
 COMMIT=""
 if git -C "${EXPERIMENT_DIR}" rev-parse --git-dir >/dev/null 2>&1; then
-  DIRTY="$(git -C "${EXPERIMENT_DIR}" status --porcelain -- train.py configs/base.yaml "configs/run-${RUN_TAG}.yaml")"
+  DIRTY="$(git -C "${EXPERIMENT_DIR}" status --porcelain -- train.py masking.py configs/base.yaml "configs/run-${RUN_TAG}.yaml")"
   if [ -n "${DIRTY}" ] && [ "${ALLOW_UNCOMMITTED:-0}" != "1" ]; then
     echo "uncommitted changes to train.py or configs (commit them, or set ALLOW_UNCOMMITTED=1):" >&2
     echo "${DIRTY}" >&2
@@ -78,7 +78,7 @@ with open(out_path, "x") as f:
 PY
 
 cp "${EXPERIMENT_DIR}/train.py" "${RUN_DIR}/train.py"
-for f in env-report.json training-brief.md; do
+for f in masking.py env-report.json training-brief.md; do
   if [ -f "${EXPERIMENT_DIR}/${f}" ]; then cp "${EXPERIMENT_DIR}/${f}" "${RUN_DIR}/"; fi
 done
 for f in dataset-card.md validation-report.md; do

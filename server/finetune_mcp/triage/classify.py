@@ -184,39 +184,48 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         scores[fallback.failure_class] = comp.table.fallback_priority
     if stopped:
         scores.setdefault("none", _score(stopped))
-
     if not scores:
-        kind = "healthy"
-        benign = by_class.get("none", [])
-        what = (f"{summary['losses']} logged loss values look healthy" if summary.get("losses")
-                else "no failure lines and no failure signal")
-        reason = f"No failure: {what}." + (f" Known benign lines: {', '.join(sorted({h.id for h in benign}))}." if benign else "") + dropped_note
-        conf = 0.8 if summary.get("losses") else 0.6
-        return Classification("none", reason, _evidence(benign), [h.id for h in _order(benign)], None, kind, conf,
-                              _alternative("none", conf), _missing("none", benign, f, False), summary)
+        return _healthy(f, by_class.get("none", []), summary, dropped_note)
 
     ranked = sorted(scores.items(), key=lambda kv: (-kv[1], min((h.first for h in by_class.get(kv[0], [])), default=10**12)))
     cls, win = ranked[0]
     runner_cls, runner = ranked[1] if len(ranked) > 1 else (None, 0)
     conf = _confidence(win, runner)
     runner_up = RunnerUp(runner_cls, _confidence(runner, win), _why_runner(runner_cls, by_class)) if runner_cls else _alternative(cls, conf)
-
     if cls == "none":
         hits = _order(stopped)
         reason = f"{hits[0].signal.note.strip()} ({hits[0].id}{', line ' + str(hits[0].first) if hits[0].lines else ''})." + dropped_note
         return Classification("none", reason, _evidence(hits), [h.id for h in _order(f.hits)], None, "stopped", conf, runner_up,
                               _missing("none", hits, f, False), summary)
-
-    extra = [f.exception] if f.exception else []
     if fallback is not None:
-        where = f"line {f.exception[0]}" if f.exception else (f"line {f.markers[0][0]}" if f.markers else f"exit status {f.exit_code}")
-        reason = (f"The run failed ({where}) and no known signal names the cause; {fallback.why}, so the likeliest class is "
-                  f"{cls} ({fallback.id}), weakly.") + dropped_note
-        evidence = _evidence([], extra + f.markers)
-        ids = [fallback.id] + [h.id for h in _order(f.hits)]
-        return Classification(cls, reason, evidence, ids, None, None, conf, runner_up, _missing(cls, [], f, True), summary)
+        return _by_fallback(f, cls, fallback, conf, runner_up, summary, dropped_note)
+    return _by_signals(f, cls, by_class[cls], conf, runner_up, summary, dropped_note, comp, platform, memory)
 
-    deciding = _order(by_class[cls])
+
+def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -> Classification:
+    what = (f"{summary['losses']} logged loss values look healthy" if summary.get("losses")
+            else "no failure lines and no failure signal")
+    reason = f"No failure: {what}." + (f" Known benign lines: {', '.join(sorted({h.id for h in benign}))}." if benign else "") + dropped_note
+    conf = 0.8 if summary.get("losses") else 0.6
+    return Classification("none", reason, _evidence(benign), [h.id for h in _order(benign)], None, "healthy", conf,
+                          _alternative("none", conf), _missing("none", benign, f, False), summary)
+
+
+def _by_fallback(f: Findings, cls: str, fallback, conf: float, runner_up: RunnerUp | None, summary: dict,
+                 dropped_note: str) -> Classification:
+    """A failed run no signal explains: the fallback rule's class, weakly, with the exception line as evidence."""
+    where = f"line {f.exception[0]}" if f.exception else (f"line {f.markers[0][0]}" if f.markers else f"exit status {f.exit_code}")
+    reason = (f"The run failed ({where}) and no known signal names the cause; {fallback.why}, so the likeliest class is "
+              f"{cls} ({fallback.id}), weakly.") + dropped_note
+    evidence = _evidence([], ([f.exception] if f.exception else []) + f.markers)
+    ids = [fallback.id] + [h.id for h in _order(f.hits)]
+    return Classification(cls, reason, evidence, ids, None, None, conf, runner_up, _missing(cls, [], f, True), summary)
+
+
+def _by_signals(f: Findings, cls: str, hits: list[Hit], conf: float, runner_up: RunnerUp | None, summary: dict,
+                dropped_note: str, comp, platform: str | None, memory: dict | None) -> Classification:
+    """The winning class's signals, the first of them named in the reason, the outranked others listed after."""
+    deciding = _order(hits)
     win_hit = deciding[0]
     others = [h for h in _order(f.hits) if h.failure_class != cls]
     where = f"line {win_hit.first}" if win_hit.lines else "the exit status"
@@ -233,6 +242,7 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
     check = _check_for(win_hit.signal, platform) if cls == "environment" else None
     if cls == "environment" and check is None:
         reason += " No preflight check covers this; fix it where the note says, then relaunch."
+    extra = [f.exception] if f.exception else []
     exc_extra = extra if cls != "divergence" or not all(h.signal.records_rule for h in deciding) else []
     missing = _missing(cls, deciding, f, False)
     if cls == "oom" and _kill_only(deciding):

@@ -327,7 +327,7 @@ _NUMBER_CELL = re.compile(r"(?:^|[|│\t])\s*[-+]?\.?\d")
 _METRIC_WORD = re.compile(r"loss|norm|scal|lr\b|learning|kl|perplexity|ppl|step|iter", re.I)
 
 
-class _Table:
+class MetricTable:
     """A pipe- or tab-separated table: a header row of words, then rows of numbers."""
 
     def __init__(self, keys: KeyMap):
@@ -353,7 +353,7 @@ class _Table:
         return found
 
 
-def parse_line(m: Metric, keys: KeyMap, line: str, table: _Table | None = None) -> Metric:
+def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = None) -> Metric:
     """Fill `m` from one (cleaned) line with every reader that applies; the first value found per field wins."""
     if _from_dicts(m, keys, line):
         m.source = "dict"
@@ -382,7 +382,7 @@ def parse_text(text: str, keys: KeyMap) -> list[Metric]:
     if whole is not None and isinstance(whole.get("log_history"), list):
         return parse_records(whole["log_history"], keys)
     lines = split_lines(text)
-    table = _Table(keys)
+    table = MetricTable(keys)
     out: list[Metric] = []
     for i, (line, clean) in enumerate(zip(lines, clean_lines(lines)), 1):
         if not may_carry(clean, table):
@@ -398,7 +398,7 @@ def parse_text(text: str, keys: KeyMap) -> list[Metric]:
 _CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "{", "educ")
 
 
-def may_carry(clean: str, table: "_Table") -> bool:
+def may_carry(clean: str, table: "MetricTable") -> bool:
     """False for a line no reader can take a metric from (most lines of a big log); it ends a table."""
     if "|" not in clean and "\t" not in clean and "│" not in clean:
         table.columns = None
@@ -430,13 +430,14 @@ def dedupe(metrics: list[Metric]) -> list[Metric]:
     out: list[Metric] = []
     for m in metrics:
         prev = out[-1] if out else None
-        if prev is not None and _same(prev, m):
+        if prev is not None and same_record(prev, m):
             continue
         out.append(m)
     return out
 
 
-def _same(a: Metric, b: Metric) -> bool:
+def same_record(a: Metric, b: Metric) -> bool:
+    """Whether b repeats a (the same step's numbers, as a tqdm redraw prints them twice)."""
     if a.step is None or b.step is None or a.step != b.step:
         return a.text == b.text
     return all(_eq(getattr(a, f), getattr(b, f)) for f in ("loss", "grad_norm", "eval_loss")) and (

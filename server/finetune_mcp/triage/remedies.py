@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from finetune_mcp.errors import BadInput
+from finetune_mcp.common.errors import BadInput
+from finetune_mcp.domain.recipes import all_recipes, recipe_params
 from finetune_mcp.triage.signals import SKILL, load_table
 
 # The seed fixes this order; triage stops at the first cause that explains the divergence.
@@ -293,8 +294,6 @@ def next_step(c, rung: Rung | None) -> str:
 
 def method_ranges(skills) -> dict:
     """method -> settled learning-rate range, from every recipe skill (what the divergence check compares to)."""
-    from finetune_mcp.phases.config import all_recipes, recipe_params
-
     out = {}
     for method in all_recipes(skills):
         lr = recipe_params(skills, method).get("learning_rate")

@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
-from finetune_mcp.errors import BadInput, NotFound
-from finetune_mcp.triage.parse import KeyMap, Metric, clean_lines, may_carry, parse_records, parse_text, split_lines
+from finetune_mcp.common.errors import BadInput, NotFound
+from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_lines, may_carry, parse_line, parse_records, parse_text,
+                                      same_record, split_lines, to_number)
 
 SKILL = "dgx-spark-ops"
 MAX_LINES_PER_HIT = 12
@@ -745,7 +746,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 if not may_carry(clean, table):
                     continue
                 m = table_state.parse(Metric(i + first_line, log.lines[i]), clean)
-                if m is None or (prev is not None and _same_metric(prev, m)):
+                if m is None or (prev is not None and same_record(prev, m)):
                     continue
                 rules.feed(m)
                 tail_metrics.append(m)
@@ -770,21 +771,11 @@ class _TableState:
     """parse_line with its table reader kept across chunks; None for a line that carries no metric."""
 
     def __init__(self, keys: KeyMap):
-        from finetune_mcp.triage.parse import _Table
-
-        self.keys, self.table = keys, _Table(keys)
+        self.keys, self.table = keys, MetricTable(keys)
 
     def parse(self, m: Metric, clean: str) -> Metric | None:
-        from finetune_mcp.triage.parse import carries, parse_line
-
         parse_line(m, self.keys, clean, self.table)
         return m if carries(m) else None
-
-
-def _same_metric(a: Metric, b: Metric) -> bool:
-    from finetune_mcp.triage.parse import _same
-
-    return _same(a, b)
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
@@ -809,6 +800,4 @@ def find_in_records(records: list, *, table=None) -> Findings:
 
 
 def _bad_number(v: str) -> bool:
-    from finetune_mcp.triage.parse import to_number
-
     return to_number(v) is None

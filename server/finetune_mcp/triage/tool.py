@@ -1,4 +1,4 @@
-"""The triage_failure tool and the `finetune-mcp triage LOG` command: read the run's files, classify, attach remedies.
+"""What triage_failure and the `finetune-mcp triage LOG` command do: read the run's files, classify, attach remedies.
 
 A run of ours is triaged from its stdout.log, exit.json and env-report.json, and - when the log alone
 reads healthy - from its progress.jsonl; any other log is triaged from its text alone.
@@ -10,7 +10,10 @@ import json
 import re
 from pathlib import Path
 
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import NotFound
+from finetune_mcp.domain.machine import gpus
+from finetune_mcp.domain.run_state import run_config
+from finetune_mcp.schemas import CauseCheck, EvidenceLine, MetricsSeen, RunnerUp, TriageResult
 from finetune_mcp.triage.classify import Classification, classify_file, classify_records, classify_text
 from finetune_mcp.triage.remedies import (
     divergence_causes,
@@ -22,19 +25,11 @@ from finetune_mcp.triage.remedies import (
     rungs_tried,
 )
 from finetune_mcp.triage.signals import SKILL
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) else None
+from finetune_mcp.worker import run_job
+from finetune_mcp.workspace import read_json_file
 
 
 def _result(c: Classification, *, evidence, summary: str, citations: list[str], causes=(), rung=None, tried=(), step: str):
-    from finetune_mcp.schemas import CauseCheck, MetricsSeen, RunnerUp, TriageResult
-
     return TriageResult(
         summary=summary, citations=list(dict.fromkeys(citations)), failure_class=c.failure_class,
         none_reason=c.healthy_or_unrecognised, evidence=evidence, check_id=c.check_id,
@@ -53,8 +48,6 @@ def _headline(c: Classification) -> str:
 
 def triage_log_file(path: Path, *, platform: str | None = None):
     """Triage one log file a user hands in (the `finetune-mcp triage LOG` command and log_path)."""
-    from finetune_mcp.schemas import EvidenceLine
-
     path = Path(path)
     if not path.is_file():
         raise NotFound(f"no log file at {path}", where=str(path), fix="pass the path of a training log (stdout.log or similar)")
@@ -70,8 +63,6 @@ def triage_log_file(path: Path, *, platform: str | None = None):
 
 def _config_history(run_dir: Path) -> list[dict]:
     """The experiment's config history: every run's resolved config.yaml up to this one, oldest first."""
-    from finetune_mcp.phases.run import run_config
-
     runs = sorted(p for p in run_dir.parent.iterdir() if p.is_dir() and p.name <= run_dir.name)
     return [c for c in map(run_config, runs) if c]
 
@@ -80,8 +71,6 @@ def _packing_check(config: dict, run_dir: Path):
     """Re-decode packed samples of the run's dataset with the run's tokenizer and TRL packing (in the worker)."""
 
     def check():
-        from finetune_mcp.worker import run_job
-
         res = run_job("packing_check", {"config": config, "run_dir": str(run_dir)}, timeout=600)
         return {"ok": bool(res.get("ok")), "why": str(res.get("why", ""))}
 
@@ -120,8 +109,6 @@ def _memory_reading(progress: Path, env_report: dict | None) -> dict | None:
             used.append(float(v))
     if not used or not env_report:
         return {"used_gb": max(used)} if used else None
-    from finetune_mcp.phases.preflight import gpus
-
     observed = env_report.get("observed") or {}
     gs = gpus(observed)
     limit = None
@@ -132,22 +119,28 @@ def _memory_reading(progress: Path, env_report: dict | None) -> dict | None:
     return {"used_gb": max(used), "limit_gb": limit}
 
 
-def triage_failure(pc, run_id: str | None = None, log_path: str | None = None):
-    """The triage_failure tool: exactly one of run_id (a run of ours) or log_path (any training log)."""
-    from finetune_mcp.phases.run import run_config
-    from finetune_mcp.schemas import EvidenceLine
-
-    if bool(run_id) == bool(log_path):
-        raise BadInput("give exactly one of run_id or log_path", where="run_id / log_path",
-                       fix="run_id for a run launched here (<experiment>/<YYYYMMDD-HHMM-tag>); log_path for any other training log")
-    if log_path:
-        return triage_log_file(pc.guard.check_read(log_path, "log_path"))
-
+def triage_run(pc, run_id: str) -> TriageResult:
+    """Triage a run launched here: its stdout.log, exit.json and env-report.json, then its progress records."""
     run_dir = pc.ws.run_dir(run_id)
     config = run_config(run_dir)
-    env_report = _read_json(run_dir / "env-report.json")
+    env_report = read_json_file(run_dir / "env-report.json")
+    c, evidence = _classify_run(run_dir, env_report)
+    cites, causes, rung, tried = _remedies(pc, c, config, env_report, run_dir)
+    explains = next((x["cause"] for x in causes if x["verdict"] == "explains"), None)
+    summary = f"{_headline(c)} in {run_id}: {c.reason}" + (f"; cause: {explains}" if explains else "") + (f"; next rung: {rung.id}" if rung else "")
+    step = next_step(c, rung)
+    if explains:
+        fix = {"precision": "switch to bf16 where the hardware supports it (or fp32), not fp16",
+               "learning-rate": "bring the learning rate back inside the method's settled range",
+               "packing": "re-run prepare_dataset and inspect the decoded packed samples"}[explains]
+        step = f"Halt the run (stop_run if it is still going). The first cause that explains it is {explains}: {fix}."
+    return _result(c, evidence=evidence, summary=summary, citations=cites, causes=causes, rung=rung, tried=tried, step=step)
+
+
+def _classify_run(run_dir: Path, env_report: dict | None) -> tuple[Classification, list]:
+    """The class of the run's failure from its log and exit record; where that reads healthy, from its progress."""
     platform = (env_report or {}).get("platform")
-    exit_info = _read_json(run_dir / "exit.json")
+    exit_info = read_json_file(run_dir / "exit.json")
     log = run_dir / "logs" / "stdout.log"
     progress = run_dir / "logs" / "progress.jsonl"
     memory = _memory_reading(progress, env_report)
@@ -168,7 +161,11 @@ def triage_failure(pc, run_id: str | None = None, log_path: str | None = None):
                 n2, raw = by_step.get(step.group(1), (n, t)) if step else (n, t)
                 ev.append(EvidenceLine(file=str(progress), line=n2, text=raw))
             c, evidence = rc, ev
+    return c, evidence
 
+
+def _remedies(pc, c: Classification, config: dict, env_report: dict | None, run_dir: Path):
+    """(citations, divergence causes, the next OOM rung, the rungs tried) for the class found."""
     cites = [f"{SKILL}#failure-signals"]
     causes: list[dict] = []
     rung = None
@@ -186,13 +183,4 @@ def triage_failure(pc, run_id: str | None = None, log_path: str | None = None):
         cites.append(f"{SKILL}#oom-ladder")
     elif c.failure_class == "environment" and c.check_id:
         cites.append(f"spark-preflight#{c.check_id.lower()}")
-
-    explains = next((x["cause"] for x in causes if x["verdict"] == "explains"), None)
-    summary = f"{_headline(c)} in {run_id}: {c.reason}" + (f"; cause: {explains}" if explains else "") + (f"; next rung: {rung.id}" if rung else "")
-    step = next_step(c, rung)
-    if explains:
-        fix = {"precision": "switch to bf16 where the hardware supports it (or fp32), not fp16",
-               "learning-rate": "bring the learning rate back inside the method's settled range",
-               "packing": "re-run prepare_dataset and inspect the decoded packed samples"}[explains]
-        step = f"Halt the run (stop_run if it is still going). The first cause that explains it is {explains}: {fix}."
-    return _result(c, evidence=evidence, summary=summary, citations=cites, causes=causes, rung=rung, tried=tried, step=step)
+    return cites, causes, rung, tried

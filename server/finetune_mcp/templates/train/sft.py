@@ -4,6 +4,11 @@
 
 from trl import SFTConfig, SFTTrainer
 
+# Assistant-only masking: masking.py beside this script is a verbatim copy of finetune_mcp/common/masking.py
+# (generate_config writes and commits both), so the trainer masks with the very code prepare_dataset checked.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from masking import MaskError, encode, template_sha256
+
 
 def masking_of(cfg):
     """The masking prepare_dataset chose and checked for conversations (data.masking), with its template text."""

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune_mcp import schemas as S
-from finetune_mcp.errors import BadInput
-from finetune_mcp.phases.run_state import config_value, logging_every
+from finetune_mcp.common.errors import BadInput
+from finetune_mcp.domain.run_state import config_value, logging_every
 
 RECORD_KEYS = ("step", "loss", "lr", "mem_gb", "temp_c")
 # A loss spike is what triage calls one (dgx-spark-ops failure-signals table, `records`: above

@@ -1,6 +1,6 @@
 """Parses a training brief (markdown) into a Brief: the one place that knows its sections and accepted values.
 
-Stdlib only and free of side effects, so every phase can import it. The brief format:
+Free of side effects and light (stdlib, common/ and workspace only), so every tool can import it. The brief format:
 
     # Training brief: <title>
     ## Task                 "<slug> — prose"                      (required)
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import BadInput, NotFound
+from finetune_mcp.workspace import experiment_name
 
 # ---------------------------------------------------------------- accepted values
 
@@ -201,8 +202,6 @@ class Brief:
     @property
     def experiment(self) -> str:
         """<Model>-<Method>-<Task>, as workspace.experiment_name makes it."""
-        from finetune_mcp.workspace import experiment_name
-
         return experiment_name(self.base_model, self.method_label, self.task_slug)
 
     @property
@@ -461,68 +460,164 @@ def _parse_deployment(text: str) -> tuple[str | None, str | None, str | None]:
 # ---------------------------------------------------------------- parse
 
 
+class _Problems(list):
+    """Every problem the brief has, each naming its section; raised together as one BadInput."""
+
+    def add(self, section: str, msg: str, accepted: str | None = None) -> None:
+        self.append(f"## {SECTION_TITLES.get(section, section)}: {msg}" + (f" (accepted: {accepted})" if accepted else ""))
+
+
+@dataclass
+class _Expectation:
+    """The Dataset Expectation section, parsed: every key: value line plus the typed values."""
+
+    values: dict[str, Any]
+    fmt: str | None
+    seq: int | None
+    packing: bool
+    defaults: list[str]
+
+
+@dataclass
+class _Deployment:
+    raw: str
+    runtime: str | None
+    fmt: str | None
+
+
 def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
     """Parse and validate a training brief. Raises one BadInput listing every problem, each with its section."""
     path = str(path)
+    title, sections = _sections_of(text, path)
+    problems = _Problems()
+    _check_required(sections, problems)
+    task_slug = _task_slug(sections, problems)
+    base_model = _base_model(sections, problems)
+    method = _method(sections, problems)
+    de = _dataset_expectation(sections.get("dataset_expectation", ""), method, problems)
+    mem = _memory_budget(sections, problems)
+    time_budget = _time_budget(sections, problems)
+    dep = _deployment(sections, problems)
+    evaluation = {k: _parse_number(v) for k, v in _kv_lines(sections.get("evaluation", "")).items()}
+    reward = _reward(sections, method, problems)
+    report_to, tracking_project = _tracking(sections, problems)
+    if problems:
+        raise BadInput(
+            f"the training brief has {len(problems)} problem(s):\n  - " + "\n  - ".join(problems),
+            where=path,
+            fix="correct the sections named above and call again",
+        )
+    return Brief(
+        path=path,
+        title=title,
+        task=sections.get("task", "").strip(),
+        task_slug=task_slug,
+        base_model=base_model,
+        method=method,
+        method_label=METHOD_LABELS[method],
+        dataset_format=de.fmt,
+        max_seq_length=de.seq,
+        packing=de.packing,
+        dataset_expectation=de.values,
+        memory_budget_gb=mem,
+        deployment_target=dep.raw,
+        deploy_runtime=dep.runtime,
+        deploy_format=dep.fmt,
+        evaluation=evaluation,
+        reward=reward,
+        report_to=report_to,
+        tracking_project=tracking_project,
+        sections=sections,
+        defaults_applied=de.defaults,
+        time_budget_s=time_budget,
+    )
+
+
+def _sections_of(text: str, path: str) -> tuple[str, dict[str, str]]:
+    """(title, sections) of a brief that is not empty."""
     if not isinstance(text, str) or not text.strip():
         raise BadInput("the training brief is empty", where=path, fix="write the sections " + ", ".join(f"## {SECTION_TITLES[s]}" for s in REQUIRED_SECTIONS))
     # Comments carry notes for people (the example brief lists accepted values in them); never values.
     text = re.sub(r"<!--.*?(?:-->|$)", "", text, flags=re.S)
     title, sections, _written = _split_sections(text)
-    problems: list[str] = []
+    return title, sections
 
-    def problem(section: str, msg: str, accepted: str | None = None) -> None:
-        problems.append(f"## {SECTION_TITLES.get(section, section)}: {msg}" + (f" (accepted: {accepted})" if accepted else ""))
 
+def _check_required(sections: dict[str, str], problems: _Problems) -> None:
     for s in REQUIRED_SECTIONS:
         if s not in sections:
-            problem(s, "section missing")
+            problems.add(s, "section missing")
         elif not sections[s].strip():
-            problem(s, "section is empty")
+            problems.add(s, "section is empty")
 
-    # Task
+
+def _task_slug(sections: dict[str, str], problems: _Problems) -> str:
     task_text = sections.get("task", "")
     task_slug = ""
     if task_text.strip():
         task_slug = slugify(_lead(_first_line(task_text)))
         if not task_slug:
-            problem("task", "no task name on its first line", "a slug such as 'repeat-words', then ' — ' and prose")
+            problems.add("task", "no task name on its first line", "a slug such as 'repeat-words', then ' — ' and prose")
+    return task_slug
 
-    # Base model: the first word of the first line.
+
+def _base_model(sections: dict[str, str], problems: _Problems) -> str:
+    """The first word of the Base Model section's first line."""
     base_model = ""
     if sections.get("base_model", "").strip():
         base_model = _first_line(sections["base_model"]).split()[0] if _first_line(sections["base_model"]) else ""
         base_model = base_model.strip(",;:")
         if not base_model or not re.fullmatch(r"(~?/)?[A-Za-z0-9][A-Za-z0-9._/-]*", base_model) or ".." in base_model:
-            problem("base_model", f"{base_model!r} is not a model name",
-                    "'finetune-mcp-tiny', a folder name under base-models/, an HF id such as Qwen/Qwen3-4B, "
-                    "or the absolute path of a model folder inside a --data-dir")
+            problems.add("base_model", f"{base_model!r} is not a model name",
+                         "'finetune-mcp-tiny', a folder name under base-models/, an HF id such as Qwen/Qwen3-4B, "
+                         "or the absolute path of a model folder inside a --data-dir")
+    return base_model
 
-    # Chosen method
+
+def _method(sections: dict[str, str], problems: _Problems) -> str | None:
     method = None
     if sections.get("chosen_method", "").strip():
         method = canonical_method(sections["chosen_method"])
         if method is None:
-            problem("chosen_method", f"unknown method {_first_line(sections['chosen_method'])!r}", ", ".join(METHOD_LABELS.values()))
+            problems.add("chosen_method", f"unknown method {_first_line(sections['chosen_method'])!r}", ", ".join(METHOD_LABELS.values()))
+    return method
 
-    # Dataset expectation
-    de_raw = sections.get("dataset_expectation", "")
+
+def _dataset_expectation(de_raw: str, method: str | None, problems: _Problems) -> _Expectation:
+    """Every key: value line of the section, with format, max_seq_length, packing and the policies typed."""
     kv = _kv_lines(de_raw)
-    expectation: dict[str, Any] = {}
+    expectation: dict[str, Any] = dict(kv)
     defaults: list[str] = []
-    for k, v in kv.items():
-        expectation[k] = v
+    fmt = _dataset_format(kv, method, problems, defaults)
+    seq_key, seq = _max_seq_length(kv, de_raw, problems, defaults)
+    packing = _packing(kv, method, problems, defaults)
+    provenance = _typed_expectation_values(kv, expectation, problems)
+    expectation["provenance"] = provenance
+    expectation["format"] = fmt
+    expectation["max_seq_length"] = seq
+    expectation["packing"] = packing
+    if seq_key and seq_key != "max_seq_length":
+        expectation.pop(seq_key, None)
+    return _Expectation(expectation, fmt, seq, packing, defaults)
+
+
+def _dataset_format(kv: dict[str, str], method: str | None, problems: _Problems, defaults: list[str]) -> str | None:
     fmt = None
     if "format" in kv:
         fmt = _ALIAS_TO_FORMAT.get(_key(_lead(kv["format"]))) or _ALIAS_TO_FORMAT.get(_key(kv["format"]))
         if fmt is None:
-            problem("dataset_expectation", f"unknown format {kv['format']!r}", "|".join(FORMATS))
+            problems.add("dataset_expectation", f"unknown format {kv['format']!r}", "|".join(FORMATS))
     elif method:
         fmt = DEFAULT_FORMAT[method]
         defaults.append(f"format: {fmt} (default for {METHOD_LABELS[method]})")
     if fmt and method and fmt not in METHOD_FORMATS[method]:
-        problem("dataset_expectation", f"format {fmt!r} does not fit the chosen method {METHOD_LABELS[method]}",
-                "|".join(METHOD_FORMATS[method]))
+        problems.add("dataset_expectation", f"format {fmt!r} does not fit the chosen method {METHOD_LABELS[method]}",
+                     "|".join(METHOD_FORMATS[method]))
+    return fmt
+
+
+def _max_seq_length(kv: dict[str, str], de_raw: str, problems: _Problems, defaults: list[str]) -> tuple[str | None, int | None]:
+    """(the key the brief wrote it under, the token count)."""
     seq = None
     seq_key = next((k for k in _SEQ_KEYS if k in kv), None)
     if seq_key is None:
@@ -531,88 +626,98 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
     else:
         seq = _parse_int(kv[seq_key])
         if seq is None or seq < 8 or seq > 1_048_576:
-            problem("dataset_expectation", f"{seq_key}: {kv[seq_key]!r} is not a token count", "an integer from 8 to 1048576")
+            problems.add("dataset_expectation", f"{seq_key}: {kv[seq_key]!r} is not a token count", "an integer from 8 to 1048576")
             seq = None
+    return seq_key, seq
+
+
+def _packing(kv: dict[str, str], method: str | None, problems: _Problems, defaults: list[str]) -> bool:
     packing = False
     if "packing" in kv:
         b = _parse_bool(kv["packing"])
         if b is None:
-            problem("dataset_expectation", f"packing: {kv['packing']!r} is not true or false", "true|false")
+            problems.add("dataset_expectation", f"packing: {kv['packing']!r} is not true or false", "true|false")
         else:
             packing = b
     else:
         defaults.append("packing: false (not stated)")
     if packing and method and method not in ("sft-lora", "sft-qlora"):
-        problem("dataset_expectation", f"packing: true, but {METHOD_LABELS[method]} does not pack sequences", "packing: false")
+        problems.add("dataset_expectation", f"packing: true, but {METHOD_LABELS[method]} does not pack sequences", "packing: false")
+    return packing
+
+
+def _typed_expectation_values(kv: dict[str, str], expectation: dict[str, Any], problems: _Problems) -> str | None:
+    """examples, fill, placeholders and long_records typed in `expectation` (aliases dropped); returns the provenance."""
     if "examples" in kv:
         n = _parse_int(kv["examples"])
         if n is None:
-            problem("dataset_expectation", f"examples: {kv['examples']!r} is not a count", "a number such as ~2000")
+            problems.add("dataset_expectation", f"examples: {kv['examples']!r} is not a count", "a number such as ~2000")
         expectation["examples"] = n
     prov_key = next((k for k in ("provenance", "origin", "data_origin", "data_provenance") if k in kv), None)
     provenance = None
     if prov_key:
         provenance = _ALIAS_TO_PROVENANCE.get(_key(_lead(kv[prov_key]))) or _ALIAS_TO_PROVENANCE.get(_key(kv[prov_key]))
         if provenance is None:
-            problem("dataset_expectation", f"{prov_key}: {kv[prov_key]!r} is not a provenance", "|".join(PROVENANCES))
+            problems.add("dataset_expectation", f"{prov_key}: {kv[prov_key]!r} is not a provenance", "|".join(PROVENANCES))
         if prov_key != "provenance":
             expectation.pop(prov_key, None)
     if "fill" in kv:
         fill = parse_fill(kv["fill"])
         if fill is None:
-            problem("dataset_expectation", f"fill: {kv['fill']!r} is not a list of name=value pairs",
-                    "fill: name=Ada, author=Example Labs (quote a value that holds a comma)")
+            problems.add("dataset_expectation", f"fill: {kv['fill']!r} is not a list of name=value pairs",
+                         "fill: name=Ada, author=Example Labs (quote a value that holds a comma)")
         expectation["fill"] = fill or {}
     if "placeholders" in kv:
         pol = _key(_lead(kv["placeholders"]))
         pol = {"keep": "keep", "train": "keep", "leave": "keep", "fail": "fail", "refuse": "fail", "error": "fail"}.get(pol)
         if pol is None:
-            problem("dataset_expectation", f"placeholders: {kv['placeholders']!r} is not a policy", "|".join(PLACEHOLDER_POLICIES))
+            problems.add("dataset_expectation", f"placeholders: {kv['placeholders']!r} is not a policy", "|".join(PLACEHOLDER_POLICIES))
         expectation["placeholders"] = pol
     long_key = next((k for k in ("long_records", "long_sequences", "too_long", "overlong") if k in kv), None)
     if long_key:
         pol = _LONG_ALIASES.get(_key(_lead(kv[long_key])))
         if pol is None:
-            problem("dataset_expectation", f"{long_key}: {kv[long_key]!r} is not a policy", "|".join(LONG_RECORD_POLICIES))
+            problems.add("dataset_expectation", f"{long_key}: {kv[long_key]!r} is not a policy", "|".join(LONG_RECORD_POLICIES))
         if long_key != "long_records":
             expectation.pop(long_key, None)
         expectation["long_records"] = pol
-    expectation["provenance"] = provenance
-    expectation["format"] = fmt
-    expectation["max_seq_length"] = seq
-    expectation["packing"] = packing
-    if seq_key and seq_key != "max_seq_length":
-        expectation.pop(seq_key, None)
+    return provenance
 
-    # Memory budget
+
+def _memory_budget(sections: dict[str, str], problems: _Problems) -> float | None:
     mem = None
     if sections.get("memory_budget", "").strip():
         mem = _parse_memory_gb(sections["memory_budget"])
         if mem is None or mem <= 0:
-            problem("memory_budget", f"{_first_line(sections['memory_budget'])!r} is not an amount of memory", "a size such as '4 GB', '96 GiB' or '0.5 TB'")
+            problems.add("memory_budget", f"{_first_line(sections['memory_budget'])!r} is not an amount of memory", "a size such as '4 GB', '96 GiB' or '0.5 TB'")
             mem = None
+    return mem
 
-    # Time budget (optional)
+
+def _time_budget(sections: dict[str, str], problems: _Problems) -> float | None:
+    """The optional Time Budget in seconds."""
     time_budget = None
     if sections.get("time_budget", "").strip():
         time_budget = parse_duration_s(_first_line(sections["time_budget"]))
         if not time_budget:
-            problem("time_budget", f"{_first_line(sections['time_budget'])!r} is not a duration", "a duration such as '2 h', '90 min' or '1h30m'")
+            problems.add("time_budget", f"{_first_line(sections['time_budget'])!r} is not a duration", "a duration such as '2 h', '90 min' or '1h30m'")
             time_budget = None
+    return time_budget
 
-    # Deployment target
+
+def _deployment(sections: dict[str, str], problems: _Problems) -> _Deployment:
     dep_raw = _first_line(sections.get("deployment_target", ""))
     runtime = dep_fmt = None
     if dep_raw:
         runtime, dep_fmt, why = _parse_deployment(sections["deployment_target"])
         if why:
-            problem("deployment_target", f"{dep_raw!r}: {why}",
-                    "a runtime (" + ", ".join(RUNTIMES) + ") optionally with a format (" + ", ".join(DEPLOY_FORMATS) + ")")
+            problems.add("deployment_target", f"{dep_raw!r}: {why}",
+                         "a runtime (" + ", ".join(RUNTIMES) + ") optionally with a format (" + ", ".join(DEPLOY_FORMATS) + ")")
+    return _Deployment(dep_raw, runtime, dep_fmt)
 
-    # Evaluation (optional)
-    evaluation = {k: _parse_number(v) for k, v in _kv_lines(sections.get("evaluation", "")).items()}
 
-    # Reward
+def _reward(sections: dict[str, str], method: str | None, problems: _Problems) -> list[str]:
+    """The reward function names (GRPO needs at least one)."""
     reward: list[str] = []
     if sections.get("reward", "").strip():
         for line in sections["reward"].splitlines():
@@ -625,52 +730,23 @@ def parse_brief(text: str, path: str | Path = "training-brief.md") -> Brief:
                 if re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", name or ""):
                     reward.append(name.lower().replace("-", "_"))
     if method == "grpo" and not reward:
-        problem("reward", "GRPO needs at least one reward function" if "reward" in sections else "section missing (GRPO needs reward functions)",
-                "names such as 'exact_match, format'")
+        problems.add("reward", "GRPO needs at least one reward function" if "reward" in sections else "section missing (GRPO needs reward functions)",
+                     "names such as 'exact_match, format'")
+    return reward
 
-    # Tracking (optional)
+
+def _tracking(sections: dict[str, str], problems: _Problems) -> tuple[str, str | None]:
+    """(report_to, project) from the optional Tracking section."""
     track = _kv_lines(sections.get("tracking", ""))
     report_to = DEFAULT_TRACKER
     raw_tracker = track.get("report_to") or track.get("tracker")
     if raw_tracker:
         report_to = re.sub(r"[^a-z]", "", raw_tracker.lower().replace("weightsandbiases", "wandb").replace("w&b", "wandb"))
         if report_to not in TRACKERS:
-            problem("tracking", f"report_to {raw_tracker!r} is not a tracker finetune-mcp sets up", ", ".join(TRACKERS))
+            problems.add("tracking", f"report_to {raw_tracker!r} is not a tracker finetune-mcp sets up", ", ".join(TRACKERS))
     elif sections.get("tracking", "").strip():
-        problem("tracking", "no 'report_to: <tracker>' line", ", ".join(TRACKERS))
-    tracking_project = track.get("project") or None
-
-    if problems:
-        raise BadInput(
-            f"the training brief has {len(problems)} problem(s):\n  - " + "\n  - ".join(problems),
-            where=path,
-            fix="correct the sections named above and call again",
-        )
-
-    return Brief(
-        path=path,
-        title=title,
-        task=task_text.strip(),
-        task_slug=task_slug,
-        base_model=base_model,
-        method=method,
-        method_label=METHOD_LABELS[method],
-        dataset_format=fmt,
-        max_seq_length=seq,
-        packing=packing,
-        dataset_expectation=expectation,
-        memory_budget_gb=mem,
-        deployment_target=dep_raw,
-        deploy_runtime=runtime,
-        deploy_format=dep_fmt,
-        evaluation=evaluation,
-        reward=reward,
-        report_to=report_to,
-        tracking_project=tracking_project,
-        sections=sections,
-        defaults_applied=defaults,
-        time_budget_s=time_budget,
-    )
+        problems.add("tracking", "no 'report_to: <tracker>' line", ", ".join(TRACKERS))
+    return report_to, track.get("project") or None
 
 
 def load_brief(path: str | Path) -> Brief:

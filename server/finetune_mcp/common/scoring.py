@@ -19,7 +19,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune_mcp.errors import BadInput
+from finetune_mcp.common.errors import BadInput
 
 # name -> {option: default}; None marks an option that must be given.
 SCORERS: dict[str, dict[str, Any]] = {

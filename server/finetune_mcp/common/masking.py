@@ -22,7 +22,6 @@ very code that prepare_dataset checked. It needs only a transformers tokenizer (
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 
 MASKING_METHODS = ("generation-markers", "trl-training-template", "derived-spans", "delimiters")
@@ -498,7 +497,3 @@ def describe(choice):
     if not plan:
         return "no masking way verifies: " + "; ".join(f"{a['method']}: {a['why']}" for a in choice["attempts"])
     return f"{plan['method']} (end-of-turn {' or '.join(plan['eot'])}" + (f", response part {plan['response_part']!r}" if plan["method"] == "delimiters" else "") + ")"
-
-
-def plan_json(plan):
-    return json.dumps(plan, sort_keys=True, ensure_ascii=False)

@@ -27,8 +27,13 @@ def emit_progress(done: float, total: float | None = None, message: str | None =
     _emit({"event": "progress", "done": done, "total": total, "message": message})
 
 
+def in_job() -> bool:
+    """Whether this process runs as a job (run_main set up the protocol's stream), not as a plain script."""
+    return _out is not None
+
+
 class JobError(Exception):
-    """Raise from a job for a failure the caller can act on; kind matches finetune_mcp.errors."""
+    """Raise from a job for a failure the caller can act on; kind matches finetune_mcp.common.errors."""
 
     def __init__(self, message: str, *, kind: str = "BadInput", where: str | None = None, fix: str | None = None):
         super().__init__(message)

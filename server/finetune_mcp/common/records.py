@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from finetune_mcp.jobs import _convert as C
-from finetune_mcp.jobs._proto import JobError
+from finetune_mcp.common import convert as C
+from finetune_mcp.common.proto import JobError
 
 TEXT_EXTS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv"}
 ARROW_EXTS = {".parquet": "parquet", ".arrow": "arrow"}
@@ -67,10 +67,6 @@ class Sink:
     def counts_of(self, code: str) -> int:
         c = self.counts.get(code)
         return c["error"] if c else 0
-
-    def records_with(self, code: str) -> int:
-        c = self.counts.get(code)
-        return (c["error"] + c["warning"]) if c else 0
 
     def to_dict(self) -> dict:
         return {"problems": self.listed, "problem_counts": self.counts}
@@ -546,125 +542,185 @@ def check_records(
     errors unless keep_placeholders. needs_reference: whether GRPO's rewards need a reference-answer column.
     provenance: what the brief or the data's card states (None: unstated); a many-copies set fails only when it is
     stated synthetic, the collapse the guard exists for; otherwise the copies are removed and reported."""
-    refs = formats["reference_fields"]
-    roles = formats["roles"]
-    role_map = next((c["role_map"] for c in formats["conversions"] if c["id"] == "sharegpt-to-messages"), {})
     report = C.Report()
     if not any(isinstance(r, dict) for r in raw.rows):
-        # Nothing readable to judge the shape by: report what was wrong with the lines (or that there were none).
-        fmt = next(n for n, spec in formats["formats"].items() if method in spec["methods"])
-        for idx, (row, (f, line)) in enumerate(zip(raw.rows, raw.origins)):
-            sink.error("not-an-object", f"record is {_type(row)}, not an object with the format's columns", file=f, line=line, record=idx)
-        if not raw.rows and not sink.errors:
-            sink.error("empty-field", "the source holds no records", file=raw.files[0] if raw.files else None)
-        return Checked([], [], "unknown", fmt, None, len(raw.rows), {"exact-duplicate": 0}, None, sink, extra={"report": report.to_dict()})
-    shape = detect_shape(raw.rows, refs)
-    fmt, path = plan_format(shape, method, formats, needs_reference)
-    steps = [x for x in path if x != "preference-to-kto"]
-    unpair = "preference-to-kto" in path
-    # Each step knows the shape it produces; a row already past a step (a mixed file) skips it.
-    produces = {c["id"]: c["target"] for c in formats["conversions"]}
-    spec = formats["formats"][fmt]
-    keep_cols = set(spec["required_fields"]) | set(spec.get("optional_fields", []))
-    check_fmt = "preference" if unpair else fmt
-    conversational = {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "preference": ("prompt", "chosen", "rejected"),
-                      "kto": ("prompt", "completion"), "grpo": ("prompt",)}.get(check_fmt, ())
+        return _nothing_readable(raw, sink, method, formats, report)
+    plan = _Plan.of(raw, method, formats, needs_reference)
     fill = dict(fill or {})
+    kept = _Kept()
     unfilled: dict[str, list[str]] = {}
-
-    records: list[dict] = []
-    origins: list[tuple[str, int | None, int]] = []
-    keys: list[str] = []
-    seen: dict[str, tuple[str, int | None, int]] = {}
-    dropped = {"exact-duplicate": 0}
     ref_field: str | None = None
-    labels = {True: 0, False: 0}
-
-    dup_where: list[str] = []
-    dups: list[dict] = []
     for idx, (row, (f, line)) in enumerate(zip(raw.rows, raw.origins)):
         at = {"file": f, "line": line, "record": idx}
         if not isinstance(row, dict):
             sink.error("not-an-object", f"record is {_type(row)}, not an object with the format's columns", **at)
             continue
-        cx = C.Cx(sink, at, report)
-        if fill:
-            used: set[str] = set()
-            row = C.fill_placeholders(row, fill, used)
-            for k in used:
-                report.filled[k] += 1
-        if check_fmt != "vision":
-            row = C.norm_messages(row, cx)
-        # Conversions first, so the checks below see the target format.
-        for step in steps:
-            rshape = shape_of(row, refs)
-            if rshape in (produces[step], check_fmt) or (step == "implicit-prompt-preference" and "prompt" in row):
-                continue
-            row = C.convert(row, step, cx, role_map)
-        if check_fmt != "vision":
-            for col in conversational:
-                if col in row:
-                    row[col] = C.weigh_turns(row[col], col, cx, "conversation" if col == "messages" else "prompt" if col == "prompt" else "answer")
-            if len(conversational) > 1:
-                row = C.coerce_pair(row, conversational, cx)
-            row = C.norm_tools(row, cx)
-        cx.flush()
-        if not cx.ok:
+        row = _convert_row(row, plan, C.Cx(sink, at, report), fill, report)
+        if row is None:
             continue
         # Pairs bound for KTO are checked as the pairs they are, then unpaired.
-        outs = _validate(row, check_fmt, at, sink, roles, refs, raw, path_ok, needs_reference)
+        outs = _validate(row, plan.check_fmt, at, sink, plan.roles, plan.refs, raw, path_ok, needs_reference)
         if outs is None:
             continue
         row, rf = outs
         if rf:
             ref_field = ref_field or rf
-        if unpair:
-            produced = [
-                {**{k: v for k, v in row.items() if k not in ("chosen", "rejected")}, "completion": row["chosen"], "label": True},
-                {**{k: v for k, v in row.items() if k not in ("chosen", "rejected")}, "completion": row["rejected"], "label": False},
-            ]
-        else:
-            produced = [row]
-        if fmt != "grpo":
-            for rec in produced:
-                for k in rec:
-                    if k not in keep_cols:
-                        report.left_out[k] += 1
-            produced = [{k: v for k, v in rec.items() if k in keep_cols} for rec in produced]
+        produced = _produce(row, plan, report)
         pkeys = [record_key(rec) for rec in produced]
-        if not keep_placeholders and any("{{" in k for k in pkeys):
-            # The canonical JSON is built for the duplicate check anyway; braces in it can only sit inside strings.
-            found = [x for x in C.find_placeholders({k: v for k, v in row.items() if k != "tools"})]
-            for fld, names in found:
-                for n in names:
-                    unfilled.setdefault(n, []).append(f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}")
-                sink.error("placeholder", f"{', '.join('{{' + n + '}}' for n in names)} left unfilled", field=fld, **at)
-            if found:
-                continue
+        if not keep_placeholders and any("{{" in k for k in pkeys) and _unfilled(row, at, unfilled, sink):
+            continue
         for rec, key in zip(produced, pkeys):
-            if fmt == "kto":
-                labels[rec["label"]] += 1
-            first = seen.get(key)
-            if first is not None:
-                dropped["exact-duplicate"] += 1
-                dup_where.append(f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}")
-                dups.append({"where": dup_where[-1], "record": idx,
-                             "same_as": f"{Path(first[0]).name}:{first[1]}" if first[1] else f"{Path(first[0]).name} record {first[2]}"})
-                sink.warn("exact-duplicate", f"same record as line {first[1]}" if first[1] else f"same record as record {first[2]}",
-                          field=main_field(fmt), **at)
-                continue
-            seen[key] = (f, line, idx)
-            keys.append(key)
-            records.append(rec)
-            origins.append((f, line, idx))
+            kept.add(rec, key, at, plan.fmt, sink)
+    _share_rules(raw, plan.fmt, kept, unfilled, fill, report, validation, provenance, sink)
+    conv_report = {"source_shape": plan.shape, "steps": plan.path, **report.to_dict(),
+                   "filled": {k: {"value": fill[k], "records": n} for k, n in report.filled.items()}}
+    return Checked(kept.records, kept.origins, plan.shape, plan.fmt, " → ".join(plan.path) or None, len(raw.rows),
+                   {"exact-duplicate": len(kept.dups)}, ref_field, sink,
+                   extra={"labels": kept.labels if plan.fmt == "kto" else None, "keys": kept.keys, "report": conv_report,
+                          "duplicates": kept.dups})
 
-    # Share rules the records alone decide.
+
+def _nothing_readable(raw: Raw, sink: Sink, method: str, formats: dict, report: C.Report) -> Checked:
+    """Nothing readable to judge the shape by: report what was wrong with the lines (or that there were none)."""
+    fmt = next(n for n, spec in formats["formats"].items() if method in spec["methods"])
+    for idx, (row, (f, line)) in enumerate(zip(raw.rows, raw.origins)):
+        sink.error("not-an-object", f"record is {_type(row)}, not an object with the format's columns", file=f, line=line, record=idx)
+    if not raw.rows and not sink.errors:
+        sink.error("empty-field", "the source holds no records", file=raw.files[0] if raw.files else None)
+    return Checked([], [], "unknown", fmt, None, len(raw.rows), {"exact-duplicate": 0}, None, sink, extra={"report": report.to_dict()})
+
+
+@dataclass
+class _Plan:
+    """How rows of the source's shape become records of the method's format."""
+
+    shape: str
+    fmt: str
+    path: list[str]
+    steps: list[str]
+    unpair: bool
+    produces: dict[str, str]
+    keep_cols: set[str]
+    check_fmt: str
+    conversational: tuple[str, ...]
+    role_map: dict
+    refs: list[str]
+    roles: list[str]
+
+    @classmethod
+    def of(cls, raw: Raw, method: str, formats: dict, needs_reference: bool) -> "_Plan":
+        refs = formats["reference_fields"]
+        shape = detect_shape(raw.rows, refs)
+        fmt, path = plan_format(shape, method, formats, needs_reference)
+        unpair = "preference-to-kto" in path
+        spec = formats["formats"][fmt]
+        check_fmt = "preference" if unpair else fmt
+        return cls(
+            shape=shape, fmt=fmt, path=path, steps=[x for x in path if x != "preference-to-kto"], unpair=unpair,
+            # Each step knows the shape it produces; a row already past a step (a mixed file) skips it.
+            produces={c["id"]: c["target"] for c in formats["conversions"]},
+            keep_cols=set(spec["required_fields"]) | set(spec.get("optional_fields", [])),
+            check_fmt=check_fmt,
+            conversational={"messages": ("messages",), "prompt-completion": ("prompt", "completion"),
+                            "preference": ("prompt", "chosen", "rejected"), "kto": ("prompt", "completion"),
+                            "grpo": ("prompt",)}.get(check_fmt, ()),
+            role_map=next((c["role_map"] for c in formats["conversions"] if c["id"] == "sharegpt-to-messages"), {}),
+            refs=refs, roles=formats["roles"])
+
+
+def _convert_row(row: dict, plan: _Plan, cx: C.Cx, fill: dict, report: C.Report) -> dict | None:
+    """One row filled, converted to the target format and normalised; None when a conversion refused it."""
+    if fill:
+        used: set[str] = set()
+        row = C.fill_placeholders(row, fill, used)
+        for k in used:
+            report.filled[k] += 1
+    if plan.check_fmt != "vision":
+        row = C.norm_messages(row, cx)
+    # Conversions first, so the checks after see the target format.
+    for step in plan.steps:
+        rshape = shape_of(row, plan.refs)
+        if rshape in (plan.produces[step], plan.check_fmt) or (step == "implicit-prompt-preference" and "prompt" in row):
+            continue
+        row = C.convert(row, step, cx, plan.role_map)
+    if plan.check_fmt != "vision":
+        for col in plan.conversational:
+            if col in row:
+                row[col] = C.weigh_turns(row[col], col, cx, "conversation" if col == "messages" else "prompt" if col == "prompt" else "answer")
+        if len(plan.conversational) > 1:
+            row = C.coerce_pair(row, plan.conversational, cx)
+        row = C.norm_tools(row, cx)
+    cx.flush()
+    return row if cx.ok else None
+
+
+def _produce(row: dict, plan: _Plan, report: C.Report) -> list[dict]:
+    """The records a checked row becomes: itself, or a KTO pair's two halves; columns the format does not keep left out."""
+    if plan.unpair:
+        rest = {k: v for k, v in row.items() if k not in ("chosen", "rejected")}
+        produced = [{**rest, "completion": row["chosen"], "label": True}, {**rest, "completion": row["rejected"], "label": False}]
+    else:
+        produced = [row]
+    if plan.fmt == "grpo":
+        return produced
+    for rec in produced:
+        for k in rec:
+            if k not in plan.keep_cols:
+                report.left_out[k] += 1
+    return [{k: v for k, v in rec.items() if k in plan.keep_cols} for rec in produced]
+
+
+def _unfilled(row: dict, at: dict, unfilled: dict[str, list[str]], sink: Sink) -> bool:
+    """Placeholders left in a row: each an error, noted by name for the summary line; whether there were any."""
+    # The canonical JSON is built for the duplicate check anyway; braces in it can only sit inside strings.
+    found = [x for x in C.find_placeholders({k: v for k, v in row.items() if k != "tools"})]
+    f, line, idx = at["file"], at["line"], at["record"]
+    for fld, names in found:
+        for n in names:
+            unfilled.setdefault(n, []).append(f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}")
+        sink.error("placeholder", f"{', '.join('{{' + n + '}}' for n in names)} left unfilled", field=fld, **at)
+    return bool(found)
+
+
+class _Kept:
+    """The records kept in order, first copy of each; later exact copies counted, located and warned."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+        self.origins: list[tuple[str, int | None, int]] = []
+        self.keys: list[str] = []
+        self.seen: dict[str, tuple[str, int | None, int]] = {}
+        self.dups: list[dict] = []
+        self.labels = {True: 0, False: 0}
+
+    def add(self, rec: dict, key: str, at: dict, fmt: str, sink: Sink) -> None:
+        f, line, idx = at["file"], at["line"], at["record"]
+        if fmt == "kto":
+            self.labels[rec["label"]] += 1
+        first = self.seen.get(key)
+        if first is not None:
+            where = f"{Path(f).name}:{line}" if line else f"{Path(f).name} record {idx}"
+            self.dups.append({"where": where, "record": idx,
+                              "same_as": f"{Path(first[0]).name}:{first[1]}" if first[1] else f"{Path(first[0]).name} record {first[2]}"})
+            sink.warn("exact-duplicate", f"same record as line {first[1]}" if first[1] else f"same record as record {first[2]}",
+                      field=main_field(fmt), **at)
+            return
+        self.seen[key] = (f, line, idx)
+        self.keys.append(key)
+        self.records.append(rec)
+        self.origins.append((f, line, idx))
+
+
+def _share_rules(raw: Raw, fmt: str, kept: _Kept, unfilled: dict[str, list[str]], fill: dict, report: C.Report,
+                 validation: dict, provenance: str | None, sink: Sink) -> None:
+    """What the records decide together: the duplicate share, placeholders left unfilled, unused fills, one-sided labels."""
     n_read = len(raw.rows)
-    rules = validation["share_rules"]
-    rule = rules["exact-duplicate"]
-    share = dropped["exact-duplicate"] / max(n_read, 1)
-    if dropped["exact-duplicate"]:
-        said = (f"{dropped['exact-duplicate']} of {n_read} records ({share:.1%}) are exact duplicates of an earlier record "
+    rule = validation["share_rules"]["exact-duplicate"]
+    n_dup = len(kept.dups)
+    share = n_dup / max(n_read, 1)
+    dup_where = [d["where"] for d in kept.dups]
+    if n_dup:
+        said = (f"{n_dup} of {n_read} records ({share:.1%}) are exact duplicates of an earlier record "
                 f"({', '.join(dup_where[:8])}{f' and {len(dup_where) - 8} more' if len(dup_where) > 8 else ''})")
         if share > rule["fail_above"] and provenance == "synthetic":
             sink.error("exact-duplicate", field=main_field(fmt), message=f"{said}, above the {rule['fail_above']:.0%} the skill allows in a "
@@ -678,15 +734,11 @@ def check_records(
                    "## Dataset Expectation, or `placeholders: keep` if the braces are meant to be trained", field="placeholders")
     for k in sorted(set(fill) - set(report.filled)):
         sink.warn("fill-unused", f"the brief fills {{{{{k}}}}}, but no record holds it", field="fill")
-    if fmt == "kto" and records and (labels[True] == 0 or labels[False] == 0):
-        only = "desirable (true)" if labels[True] else "undesirable (false)"
+    if fmt == "kto" and kept.records and (kept.labels[True] == 0 or kept.labels[False] == 0):
+        only = "desirable (true)" if kept.labels[True] else "undesirable (false)"
         sink.warn("one-sided-labels", f"every label is {only}; KTO then pushes in one direction only", field="label")
     if not raw.rows and not sink.errors:
         sink.error("empty-field", "the source holds no records", file=raw.files[0] if raw.files else None)
-    conv_report = {"source_shape": shape, "steps": path, **report.to_dict(),
-                   "filled": {k: {"value": fill[k], "records": n} for k, n in report.filled.items()}}
-    return Checked(records, origins, shape, fmt, " → ".join(path) or None, n_read, dropped, ref_field, sink,
-                   extra={"labels": labels if fmt == "kto" else None, "keys": keys, "report": conv_report, "duplicates": dups})
 
 
 def _validate(row: dict, fmt: str, at: dict, sink: Sink, roles: list[str], refs: list[str], raw: Raw,

@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
-from finetune_mcp.errors import BadInput, FtError
+from finetune_mcp.common.errors import BadInput, FtError
 from finetune_mcp.launchers import get_launcher
+from finetune_mcp.workspace import read_json_file
 
 TERMINAL = ("succeeded", "failed", "stopped")
 # A run directory without run.json younger than this is still being launched.
@@ -33,14 +34,6 @@ class RunState:
     signal: str | None = None
     detail: str | None = None
     exit: dict | None = None
-
-
-def read_json_file(path: Path) -> dict | None:
-    """A JSON file's object, or None when it is missing or unreadable (a state file mid-write reads as absent)."""
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, OSError):
-        return None
 
 
 def _state_from_exit(ex: dict) -> RunState:

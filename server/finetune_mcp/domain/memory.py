@@ -8,11 +8,11 @@ configs are JSON and safetensors headers are read as JSON. Sizes are decimal GB.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
-from finetune_mcp.errors import BadInput, NotFound
+from finetune_mcp.common.errors import BadInput, NotFound
+from finetune_mcp.common.shapes import TINY_MODEL_SHAPE, TINY_VOCAB_SIZE, safetensors_param_count
 from finetune_mcp.models import resolve_base_model
 
 GB = 1e9
@@ -141,29 +141,6 @@ def activation_values_per_token_layer(s: dict[str, Any], lora_targets: list[str]
     return base + norms + lora_out
 
 
-def safetensors_param_count(folder: Path) -> int | None:
-    """Exact parameter count from the safetensors headers in folder (no weights are read), or None."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    for f in files:
-        try:
-            with f.open("rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
-            return None
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            count = 1
-            for d in t["shape"]:
-                count *= d
-            total += count
-    return total
-
-
 def load_model_info(base_models_dir: Path, base_model: str, hf_home: Path | None = None, data_dirs: list[Path] | None = None) -> dict[str, Any]:
     """Resolve the brief's base model locally and read its config. Raises NotFound/BadInput like models.resolve_base_model."""
     ref = resolve_base_model(base_model, base_models_dir, hf_home, data_dirs)
@@ -179,10 +156,8 @@ def load_model_info(base_models_dir: Path, base_model: str, hf_home: Path | None
         info["safetensors_params"] = safetensors_param_count(ref.path)
     elif ref.embedded:
         # Not built yet (prepare_dataset builds it): its shape is fixed by the builder.
-        from finetune_mcp.jobs import build_tiny_model as b
-
         info["source"] = "builder shape (finetune_mcp.jobs.build_tiny_model); not built yet"
-        info["config"] = model_shape({**b.MODEL_SHAPE, "vocab_size": b.VOCAB_SIZE, "model_type": "llama"})
+        info["config"] = model_shape({**TINY_MODEL_SHAPE, "vocab_size": TINY_VOCAB_SIZE, "model_type": "llama"})
     else:
         raise NotFound(f"base model {base_model!r} has no config.json at {ref.load_path}", where=str(ref.load_path))
     info["embedded"] = ref.embedded
@@ -218,59 +193,30 @@ def estimate(
     targets = list(lora_targets or d.lora_targets)
     b = micro_batch_size or d.micro_batch_size
     gc = (d.gradient_checkpointing_cpu if cpu else d.gradient_checkpointing_gpu) if gradient_checkpointing is None else gradient_checkpointing
-    act_prec = "fp32" if cpu else "16bit"
-    bpv = table.activation_bytes_per_value[act_prec]
-
     counts = param_counts(s)
-    P = counts["total"]
-    stored = 4 if s.get("checkpoint_dtype") in ("float32", "fp32") else 2
-    if m.weights == "nf4":
-        q_bytes = table.bytes_per_param["nf4"] + table.nf4_constant_bits_per_param / 8
-        rest = P - counts["linear"]
-        weights = counts["linear"] * q_bytes + rest * table.bytes_per_param["fp32" if cpu else "16bit"]
-        precision = "nf4 + " + ("fp32" if cpu else "16bit")
-        if cpu:
-            # Quantizing on a CPU reads each stored projection weight through the checkpoint's memory map,
-            # and those pages stay in the process's resident memory beside the 4-bit copy (the other weights
-            # are used from the same mapping, counted above). Measured: SmolLM2-135M, float32 checkpoint,
-            # +0.63 GB resident after a 4-bit load against +0.08 GB after a (lazy) float32 load.
-            weights += counts["linear"] * stored
-            precision += " + its stored projections, mapped while quantizing"
-    else:
-        precision = "fp32" if cpu else "16bit"
-        weights = P * table.bytes_per_param[precision]
-
+    weights, precision = _weights(s, counts, m, table, cpu)
     lora = lora_params(s, r, targets)
-    adapter_state = lora * table.trainable_bytes_per_param
-
     seqs = b * m.sequences_per_example
     seq_tokens = int(tokens_per_sequence or max_seq_length)
-    tokens = seqs * seq_tokens
-    L, h, V = s["num_hidden_layers"], s["hidden_size"], s["vocab_size"]
-    per_layer = activation_values_per_token_layer(s, targets)
-    full = tokens * L * per_layer * bpv
-    # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
-    ckpt = tokens * (L * h + per_layer) * bpv
-    # Attention matrices kept for backward (CPU math kernel): per layer, per sequence, per head, s x s.
-    attention = (L * seqs * s["num_attention_heads"] * seq_tokens ** 2 * bpv
-                 * table.attention_score_copies["cpu" if cpu else "cuda"])
-    activations = (ckpt if gc else full) + (attention / L if gc else attention)
-    logits = tokens * V * table.logits_bytes_per_token_vocab[act_prec]
-    kv_cache = 2 * L * s["num_key_value_heads"] * s["head_dim"] * max_seq_length * m.kv_cache_sequences * bpv
-    overhead = table.overhead_gb["cpu_unsloth" if cpu and backend == "unsloth" else "cpu" if cpu else "cuda"] * GB
-    total = weights + adapter_state + max(activations + logits, kv_cache) + overhead
-
-    k = round(per_layer * bpv / h, 2)
-
-    def g(x: float) -> float:
-        return round(x / GB, 3)
-
+    act = _activations(s, targets, table, cpu, gc, seqs, seq_tokens, max_seq_length, m.kv_cache_sequences)
+    parts = {
+        "weights": weights,
+        "adapter_state": lora * table.trainable_bytes_per_param,
+        "activations": act["activations"],
+        "attention_scores": act["attention_kept"],
+        "logits": act["logits"],
+        "kv_cache": act["kv_cache"],
+        "overhead": table.overhead_gb["cpu_unsloth" if cpu and backend == "unsloth" else "cpu" if cpu else "cuda"] * GB,
+    }
+    total = parts["weights"] + parts["adapter_state"] + max(act["activations"] + act["logits"], act["kv_cache"]) + parts["overhead"]
+    k = round(act["per_layer"] * act["bpv"] / s["hidden_size"], 2)
+    g = _gb
     return {
         "model": model.get("name"),
         "method": method,
         "platform": platform,
         "precision": precision,
-        "params": P,
+        "params": counts["total"],
         "params_quantized": counts["linear"] if m.weights == "nf4" else 0,
         "lora_r": r,
         "lora_targets": targets,
@@ -281,36 +227,80 @@ def estimate(
         "sequences_per_step": seqs,
         "gradient_checkpointing": gc,
         "k_bytes_per_token_hidden_layer": k,
-        "gb": {
-            "weights": g(weights),
-            "adapter_state": g(adapter_state),
-            "activations": g(activations),
-            "attention_scores": g(attention / L if gc else attention),
-            "logits": g(logits),
-            "kv_cache": g(kv_cache),
-            "overhead": g(overhead),
-            "total": g(total),
-        },
+        "gb": {**{name: g(v) for name, v in parts.items()}, "total": g(total)},
         "per_sequence_gb": {
-            "activations_no_checkpointing": g(full / seqs),
-            "activations_checkpointing": g(ckpt / seqs),
-            "logits": g(logits / seqs),
+            "activations_no_checkpointing": g(act["full"] / seqs),
+            "activations_checkpointing": g(act["ckpt"] / seqs),
+            "logits": g(act["logits"] / seqs),
         },
         "checkpoint_gb": g(lora * 12),  # adapter (fp32) + AdamW moments, per saved checkpoint
-        "merged_16bit_gb": g(P * 2),
+        "merged_16bit_gb": g(counts["total"] * 2),
         "formula": (
             "total = weights + adapter_state + max(activations + logits, kv_cache) + overhead; "
             f"activations = sequences x seq x layers x hidden x k (k = {k} bytes, "
             + ("checkpointed: layer inputs + one layer" if gc else "no checkpointing") + ")"
         ),
-        "assumptions": [
-            f"LoRA r={r} on {', '.join(targets)} (before generate_config chooses)",
-            f"micro batch {b} x {m.sequences_per_example} sequence(s) per example of {seq_tokens} tokens"
-            + (f" (the data's longest, under max_seq_length {max_seq_length})" if seq_tokens < max_seq_length else ""),
-            ("SDPA's math kernel on a CPU: s x s attention scores and probabilities kept per head" if cpu
-             else "SDPA/flash attention (no s x s attention scores kept)"),
-            m.note,
-        ] + ([f"the process overhead of {'Unsloth' if backend == 'unsloth' else 'TRL'}'s stack on a CPU"] if cpu else [])
-          + ([f"the stored {s.get('checkpoint_dtype')} projections stay mapped after 4-bit quantization on a CPU"] if cpu and m.weights == "nf4" else []),
+        "assumptions": _assumptions(s, m, r, targets, b, seq_tokens, max_seq_length, cpu, backend),
         "cite": CITE,
     }
+
+
+def _gb(x: float) -> float:
+    return round(x / GB, 3)
+
+
+def _weights(s: dict, counts: dict, m, table, cpu: bool) -> tuple[float, str]:
+    """Bytes the model's weights hold during training, and the precision they are held in."""
+    P = counts["total"]
+    if m.weights != "nf4":
+        precision = "fp32" if cpu else "16bit"
+        return P * table.bytes_per_param[precision], precision
+    q_bytes = table.bytes_per_param["nf4"] + table.nf4_constant_bits_per_param / 8
+    rest = P - counts["linear"]
+    weights = counts["linear"] * q_bytes + rest * table.bytes_per_param["fp32" if cpu else "16bit"]
+    precision = "nf4 + " + ("fp32" if cpu else "16bit")
+    if cpu:
+        # Quantizing on a CPU reads each stored projection weight through the checkpoint's memory map,
+        # and those pages stay in the process's resident memory beside the 4-bit copy (the other weights
+        # are used from the same mapping, counted above). Measured: SmolLM2-135M, float32 checkpoint,
+        # +0.63 GB resident after a 4-bit load against +0.08 GB after a (lazy) float32 load.
+        stored = 4 if s.get("checkpoint_dtype") in ("float32", "fp32") else 2
+        weights += counts["linear"] * stored
+        precision += " + its stored projections, mapped while quantizing"
+    return weights, precision
+
+
+def _activations(s: dict, targets: list[str], table, cpu: bool, gc: bool, seqs: int, seq_tokens: int,
+                 max_seq_length: int, kv_sequences: int) -> dict[str, float]:
+    """Bytes of the training activations (with or without checkpointing), kept attention scores, logits and KV cache."""
+    bpv = table.activation_bytes_per_value["fp32" if cpu else "16bit"]
+    tokens = seqs * seq_tokens
+    L, h, V = s["num_hidden_layers"], s["hidden_size"], s["vocab_size"]
+    per_layer = activation_values_per_token_layer(s, targets)
+    full = tokens * L * per_layer * bpv
+    # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
+    ckpt = tokens * (L * h + per_layer) * bpv
+    # Attention matrices kept for backward (CPU math kernel): per layer, per sequence, per head, s x s.
+    attention = (L * seqs * s["num_attention_heads"] * seq_tokens ** 2 * bpv
+                 * table.attention_score_copies["cpu" if cpu else "cuda"])
+    attention_kept = attention / L if gc else attention
+    return {
+        "bpv": bpv, "per_layer": per_layer, "full": full, "ckpt": ckpt, "attention_kept": attention_kept,
+        "activations": (ckpt if gc else full) + attention_kept,
+        "logits": tokens * V * table.logits_bytes_per_token_vocab["fp32" if cpu else "16bit"],
+        "kv_cache": 2 * L * s["num_key_value_heads"] * s["head_dim"] * max_seq_length * kv_sequences * bpv,
+    }
+
+
+def _assumptions(s: dict, m, r: int, targets: list[str], b: int, seq_tokens: int, max_seq_length: int, cpu: bool,
+                 backend: str | None) -> list[str]:
+    return [
+        f"LoRA r={r} on {', '.join(targets)} (before generate_config chooses)",
+        f"micro batch {b} x {m.sequences_per_example} sequence(s) per example of {seq_tokens} tokens"
+        + (f" (the data's longest, under max_seq_length {max_seq_length})" if seq_tokens < max_seq_length else ""),
+        ("SDPA's math kernel on a CPU: s x s attention scores and probabilities kept per head" if cpu
+         else "SDPA/flash attention (no s x s attention scores kept)"),
+        m.note,
+    ] + ([f"the process overhead of {'Unsloth' if backend == 'unsloth' else 'TRL'}'s stack on a CPU"] if cpu else []) \
+      + ([f"the stored {s.get('checkpoint_dtype')} projections stay mapped after 4-bit quantization on a CPU"] if cpu and m.weights == "nf4" else [])
+
