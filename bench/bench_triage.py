@@ -5,7 +5,9 @@
     .venv/bin/python bench/bench_triage.py --part dev   # only the dev part (never reads the blind set)
 
 The held-out part (split fixed in tests/fixtures/logs/index.yaml before any rule was tuned) is
-measured here only; tests assert case by case on the dev part. Prints one JSON line at the end
+measured here only; tests assert case by case on the dev part. The blind part (tests/fixtures/logs-blind/,
+batch 3) prints only its figures: `--misses blind` would show its cases, and the day anyone tuning the
+rules reads them, the set measures nothing any more (a new one must be collected the same way). Prints one JSON line at the end
 (`--json` prints only that) so run_all.py can collect it.
 """
 

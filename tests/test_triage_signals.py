@@ -192,3 +192,71 @@ def test_a_best_so_far_sentinel_is_no_nan_loss_but_a_nan_beside_it_is():
     # The word patterns of the signal stay patterns (an `unless` list never swallows them).
     for line in ("RuntimeError:  > Detected NaN loss - Loss: nan", "Loss became infinite or NaN at iteration=3!", "step 3 loss is nan"):
         assert "nonfinite-loss" in [h.id for h in find(line + "\n").hits], line
+
+
+# --- issue 32: rules that keep a failure from reading none, and the look-alikes they must leave alone ---------
+
+
+def _find_ids(text: str) -> set[str]:
+    return {h.id for h in find(text).hits}
+
+
+def test_nan_in_any_metric_counts_but_not_in_a_mean_over_nothing_yet():
+    # A GAN's one-letter losses in a tqdm postfix, a world model's table: whatever the name.
+    assert "nonfinite-metric" in _find_ids("Epoch 41/250: 100%|███| 9375/9375 [07:11<00:00, DR=713, DF=nan, G=nan, LR=0.0001]\n")
+    assert "nonfinite-metric" in _find_ids("G: nan | MSG: nan | VG: 0.00 | D: nan\n")
+    # Every word of the ignore list is one whose NaN is a mean over nothing (or a count, a timer), not the numbers.
+    for word in RULES.nonfinite_ignore:
+        assert "nonfinite-metric" not in _find_ids(f"step 3 | {word}: nan | loss: 0.5\n"), word
+    # A loss the table names is nonfinite-loss's, never counted twice.
+    assert _find_ids("step 3 loss: nan\n") >= {"nonfinite-loss"} and "nonfinite-metric" not in _find_ids("step 3 loss: nan\n")
+
+
+def test_a_loss_past_the_magnitude_limit_either_sign():
+    lim = RULES.loss_abs_max
+    assert "loss-magnitude" in _ids(_losses([2.0, 1.9, -lim * 10]))
+    assert "loss-magnitude" in _ids([Metric(1, "x", named={"loss:value loss": lim})])
+    assert "loss-magnitude" not in _ids(_losses([lim / 10, lim / 20]))
+
+
+def test_kl_blowup_after_small_kls_only():
+    small, big = RULES.kl_max / RULES.kl_rise_factor, RULES.kl_max
+    ms = [Metric(i + 1, "x", named={"kl:approx kl": v}) for i, v in enumerate([small, small / 2, big * 4])]
+    assert "kl-blowup" in _ids(ms)
+    # A KL that was never small (a run whose KL sits high from the start) is no blow-up by this rule.
+    assert "kl-blowup" not in _ids([Metric(i + 1, "x", named={"kl:kl": v}) for i, v in enumerate([big, big * 2, big * 4])])
+
+
+def test_gan_losses_trading_places_are_the_game_but_their_nan_is_not():
+    rising = [0.001 * (RULES.rise_factor * 3) ** min(i, 3) for i in range(8)]
+    assert "loss-rise" in _ids([Metric(i + 1, "x", named={"loss:value loss": v}) for i, v in enumerate(rising)])
+    for key in ("loss:g loss", "loss:d loss", "loss:generator loss"):
+        assert not {"loss-rise", "loss-spike"} & set(_ids([Metric(i + 1, "x", named={key: v}) for i, v in enumerate(rising)])), key
+    assert "nonfinite-loss" in _ids([Metric(1, "x", named={"loss:g loss": 0.3}), Metric(2, "x", named={"loss:g loss": float("nan")})])
+
+
+def test_out_of_memory_words_and_the_advice_that_only_mentions_them():
+    assert "out-of-memory-words" in _find_ids("ERROR: Out of GPU memory while running the step\n")
+    assert "out-of-memory-words" in _find_ids("worker 3: OOM\n")
+    for advice in ("Reduce the batch size to avoid OOM errors.", "This may run out of memory on small GPUs.",
+                   "Allocator (GPU_0_bfc) ran out of memory trying to allocate 2.59GiB. The caller indicates that this is not a failure"):
+        assert "out-of-memory-words" not in _find_ids(advice + "\n"), advice
+
+
+def test_keyboardinterrupt_counts_only_as_the_exception_line():
+    assert "user-interrupt" in _find_ids("Traceback (most recent call last):\n  File \"t.py\", line 1, in <module>\nKeyboardInterrupt\n")
+    # Jupyter shows library source in its tracebacks: a comment naming KeyboardInterrupt is no Ctrl-C.
+    assert "user-interrupt" not in _find_ids("    724 # TODO: treat KeyboardInterrupt as BaseException (delete the code below) in v1.7\n")
+
+
+def test_a_traceback_cut_inside_a_step_reads_oom_weakly_and_one_cut_in_setup_environment():
+    from finetune_mcp.triage import classify_text
+
+    head = 'Traceback (most recent call last):\n  File "train.py", line 10, in <module>\n    main()\n'
+    in_step = head + '  File "/x/torch/optim/optimizer.py", line 487, in wrapper\n    out = func(*args, **kwargs)\n' \
+                     '  File "/x/accelerate/optimizer.py", line 178, in step\n    self.optimizer.step(closure)\n'
+    in_setup = head + '  File "/x/transformers/modeling_utils.py", line 3000, in from_pretrained\n    config = cls.config_class.from_pretrained(\n'
+    r = classify_text(in_step)
+    assert (r.failure_class, r.signals[0]) == ("oom", "cut-in-step-compute") and r.confidence < 0.5
+    assert "weakly" in r.reason
+    assert classify_text(in_setup).failure_class == "environment"

@@ -298,8 +298,8 @@ class SignalCheck(Strict):
     spark: OpsCheckId | None = Field(None, description="check to re-run on dgx-spark (a G-number)")
 
 
-RecordsRule = Literal["nonfinite-loss", "nonfinite-grad-norm", "loss-zero-grad-nan", "loss-spike", "loss-rise",
-                      "grad-norm-explosion", "loss-scale-collapse", "loss-scale-halving", "flat-loss"]
+RecordsRule = Literal["nonfinite-loss", "nonfinite-grad-norm", "nonfinite-metric", "loss-zero-grad-nan", "loss-spike", "loss-rise",
+                      "loss-magnitude", "kl-blowup", "grad-norm-explosion", "loss-scale-collapse", "loss-scale-halving", "flat-loss"]
 FailureClass = Literal["environment", "divergence", "oom", "none"]
 
 
@@ -374,6 +374,11 @@ class RecordRules(Strict):
     scale_halving_run: int = Field(3, ge=2, description="this many halvings of the loss scale in a row, once settled, is fp16 overflow")
     scale_settled_logs: int = Field(2, ge=1, description="logged scales without a cut before a halving run counts (not the scaler's start-up search)")
     kill_memory_fraction: float = Field(0.5, gt=0, le=1, description="a kill with memory in use below this fraction of the limit is not evidence of OOM")
+    loss_abs_max: float = Field(1e8, gt=0, description="a logged loss of this size or more, either sign, is broken numbers")
+    kl_max: float = Field(1.0, gt=0, description="a logged KL at or above this, after small ones, is a policy collapse")
+    kl_rise_factor: float = Field(20.0, gt=1, description="the KL before it was at most kl_max / this")
+    adversarial_words: list[str] = Field(default_factory=list, description="words of a loss key that is one side of a GAN's game: no rise/spike rule")
+    nonfinite_ignore: list[str] = Field(default_factory=list, description="words of a metric key whose NaN is not the run's numbers (means over nothing yet, counts, timers)")
 
 
 class FallbackRule(Strict):
@@ -396,6 +401,7 @@ class FailureSignalsTable(Strict):
     metric_keys: MetricKeys
     failure_markers: list[str] = Field(min_length=1, description="lines that show the run failed, whatever the cause")
     fallback: list[FallbackRule] = Field(min_length=1, description="the class of a failure no signal names, by exception type")
+    cut_traceback: list[FallbackRule] = Field(default_factory=list, description="read first on the innermost frames when the excerpt stops inside a traceback")
     fallback_priority: int = Field(ge=0, le=100, description="the weight a fallback class carries against other signals")
 
     @_field_validator("failure_markers")

@@ -180,7 +180,7 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
     fallback = None
     if f.failed and not scores and not stopped:
         # Never silent on a failure: the exception type picks a class, weakly.
-        fallback = fallback_rule(comp, f.exception, f.markers)
+        fallback = fallback_rule(comp, f.exception, f.markers, f.traceback_cut, f.tail)
         scores[fallback.failure_class] = comp.table.fallback_priority
     if stopped:
         scores.setdefault("none", _score(stopped))

@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
-from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_lines, may_carry, parse_line, parse_records, parse_text,
-                                      same_record, split_lines, to_number)
+from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_lines, may_carry, normalise_key, parse_line, parse_records,
+                                      parse_text, same_record, split_lines, to_number)
 
 SKILL = "dgx-spark-ops"
 MAX_LINES_PER_HIT = 12
@@ -138,6 +138,9 @@ class Compiled:
         self.literals = {p.pattern + str(p.flags): required_literals(p) for _, ps in self.line_signals for p in ps}
         self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers})
         self.fallback = [(r, re.compile(r.match)) for r in table.fallback]
+        self.cut_traceback = [(r, re.compile(r.match)) for r in table.cut_traceback]
+        self.nonfinite_ignore = frozenset(table.records.nonfinite_ignore)
+        self.adversarial = frozenset(table.records.adversarial_words)
         self.by_rule = {s.records_rule: s for s in table.signals if s.records_rule}
 
 
@@ -261,6 +264,7 @@ class Findings:
     dropped: list[Hit] = field(default_factory=list)  # SIGKILL signs set aside because stop_run sent the kill
     table: Any = None  # the signal table these were found with
     summary: dict | None = None  # the metrics summary, when `metrics` holds only part of a streamed log
+    tail: list[str] = field(default_factory=list)  # the log's last lines (cleaned): where an excerpt cut short stops
 
     @property
     def failed(self) -> bool:
@@ -289,6 +293,42 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
         if matched:
             out[s.id] = Hit(s, [(i + log.first_line, log.lines[i]) for i in sorted(matched)][:MAX_LINES_PER_HIT * 4])
     return out
+
+
+# key: nan / key=inf / 'key': -inf, the key up to four words (a tqdm postfix, a `key: value` print, a dict).
+_NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\[\]]*){0,3})['\"]?\s*[:=]\s*['\"]?"
+                             r"(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
+# Slots NumberRules checks itself (a NaN loss is nonfinite-loss, not this rule's).
+_CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
+
+
+def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
+    """NaN or inf in a logged metric no other rule reads (any name but the table's nonfinite_ignore words)."""
+    sig = comp.by_rule.get("nonfinite-metric")
+    if sig is None or not ("nan" in log.text or "NaN" in log.text or "inf" in log.text or "NAN" in log.text):
+        return []
+    lines: list[tuple[int, str]] = []
+    names: dict[str, None] = {}
+    for i, clean in enumerate(log.clean):
+        low = clean.lower()
+        if "nan" not in low and "inf" not in low:
+            continue
+        found = False
+        for m in _NONFINITE_PAIR.finditer(clean):
+            key = normalise_key(m.group("key"))
+            words = key.split()
+            if not words or any(w in comp.nonfinite_ignore for w in words):
+                continue
+            slot = comp.keys.slot_of(m.group("key"))
+            if slot is not None and slot.partition(":")[0] in _CHECKED_KINDS:
+                continue
+            names.setdefault(key)
+            found = True
+        if found and len(lines) < MAX_LINES_PER_HIT:
+            lines.append((i + log.first_line, log.lines[i]))
+    if not lines:
+        return []
+    return [Hit(sig, lines, f"non-finite (NaN or inf) values in {', '.join(list(names)[:6])}")]
 
 
 def _still(line: str, pats: list[re.Pattern], unless: list[re.Pattern]) -> bool:
@@ -401,6 +441,10 @@ class NumberRules:
         self.series: dict[str, _Series] = {}
         self.big: list[Metric] = []
         self.big_max = 0.0
+        self.huge: list[tuple[Metric, str, float]] = []
+        self._adv: dict[str, bool] = {}
+        self.kl_low: tuple[Metric, str, float] | None = None
+        self.kl_blow: tuple[Metric, str, float] | None = None
         self.scale_prev: float | None = None
         self.scale_max: float | None = None
         self.floor: list[Metric] = []
@@ -422,6 +466,13 @@ class NumberRules:
         self.loss_first = self.loss_min = self.loss_last = None
         self.grad_norm_max = None
         self.loss_scale_last = None
+
+    def _adversarial(self, name: str) -> bool:
+        """One side of a GAN's game (d_loss, g_loss, loss_D): its rises and spikes are the game, not a divergence."""
+        hit = self._adv.get(name)
+        if hit is None:
+            hit = self._adv[name] = name != "loss" and any(w in self.comp.adversarial for w in name.split())
+        return hit
 
     def _bad(self, m: Metric, name: str):
         self.nonfinite_names[name] = self.nonfinite_names.get(name, 0) + 1
@@ -450,14 +501,18 @@ class NumberRules:
             elif kind in ("eval_loss", "kl"):
                 if not math.isfinite(v):
                     self._bad(m, name)
+                elif kind == "kl":
+                    self._kl(m, name, v)
             elif kind == "grad_norm":
                 grads.append((name, v))
             elif kind == "loss_scale" and m.loss_scale is None:
                 scales.append(v)
         for name, v in losses:
+            if math.isfinite(v) and abs(v) >= self.r.loss_abs_max and len(self.huge) < MAX_LINES_PER_HIT:
+                self.huge.append((m, name, v))
             if not math.isfinite(v):
                 self._bad(m, name)
-            elif v >= 0 or name == "loss":
+            elif (v >= 0 or name == "loss") and not self._adversarial(name):
                 se = self.series.get(name)
                 if se is None:
                     se = self.series[name] = _Series(self.r)
@@ -483,6 +538,14 @@ class NumberRules:
             self.loss_last = m.loss
             self.loss_first = m.loss if self.loss_first is None else self.loss_first
             self.loss_min = m.loss if self.loss_min is None else min(self.loss_min, m.loss)
+
+    def _kl(self, m: Metric, name: str, v: float):
+        r = self.r
+        if v <= r.kl_max / r.kl_rise_factor:
+            if self.kl_low is None:
+                self.kl_low = (m, name, v)
+        elif v >= r.kl_max and self.kl_low is not None and self.kl_blow is None:
+            self.kl_blow = (m, name, v)
 
     def _scale(self, m: Metric, v: float):
         r = self.r
@@ -579,6 +642,13 @@ class NumberRules:
                 add("loss-rise", [low_m, last_m], f"{what} rose from its minimum {low_v:g} (line {low_m.line}) to {last_v:g} "
                                                   f"(line {last_m.line}), {last_v / low_v:.1f}x")
                 break
+        if self.huge:
+            m0, name, v = self.huge[0]
+            add("loss-magnitude", sorted({m.line: m for m, _, _ in self.huge}.values(), key=lambda x: x.line),
+                f"{'the loss' if name == 'loss' else name} reached {v:.3g} at line {m0.line} (limit {r.loss_abs_max:g}, either sign)")
+        if self.kl_blow:
+            (lm, _, lv), (bm, name, bv) = self.kl_low, self.kl_blow
+            add("kl-blowup", [lm, bm], f"{name} reached {bv:g} at line {bm.line} after {lv:g} at line {lm.line} (kl_max {r.kl_max:g})")
         if self.big:
             add("grad-norm-explosion", self.big, f"grad norm reached {self.big_max:.3g} (limit {r.grad_norm_max:g})")
         if self.floor:
@@ -634,9 +704,16 @@ def traceback_cut(log: Log, exception: tuple[int, str] | None) -> bool:
     return head is not None and (exception is None or exception[0] < head)
 
 
-def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: list[tuple[int, str]]):
+def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: list[tuple[int, str]], cut: bool = False,
+                  tail: list[str] | None = None):
     """The fallback rule for a failure no signal names: by the exception line, else the last markers
-    (the innermost traceback frames, where an excerpt cut before the exception line stops)."""
+    (the innermost traceback frames, where an excerpt cut before the exception line stops); a traceback
+    cut short is read by the table's cut_traceback rules first, on its last lines (frames and their code)."""
+    if cut or exception is None:
+        frames = "\n".join(tail[-TAIL_LINES:] if tail else [t for _, t in markers[-6:]])
+        for rule, rx in comp.cut_traceback:
+            if rx.search(frames):
+                return rule
     text = exception[1] if exception else "\n".join(t for _, t in markers[-3:])
     for rule, rx in comp.fallback:
         if rx.search(text):
@@ -645,6 +722,9 @@ def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: li
 
 
 # --- all of it ---------------------------------------------------------------------------------
+
+# The last lines kept for a traceback cut short: its innermost frames and the code lines under them.
+TAIL_LINES = 8
 
 
 def _merge_hits(by_id: dict[str, Hit], hits) -> None:
@@ -671,6 +751,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         have.detail = have.detail or h.detail
     metrics = parse_text(text, comp.keys)
     _merge_hits(by_id, number_hits(metrics, comp))
+    _merge_hits(by_id, nonfinite_metric_hits(log, comp))
     marked: set[int] = set()
     for m in comp.markers:
         if log.may_match(m, comp):
@@ -681,7 +762,8 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
-    return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table)
+    return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table,
+                    tail=log.clean[-TAIL_LINES:])
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -714,6 +796,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     tail_metrics: list[Metric] = []
     prev: Metric | None = None
     first_line = 1
+    tail: list[str] = []
     with open(path, "rb") as fh:
         carry = b""
         while True:
@@ -727,7 +810,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 continue
             chunk, carry = data[:cut + 1], data[cut + 1:]
             log = Log(lines=split_lines(chunk.decode("utf-8", errors="replace")), first_line=first_line)
-            for k, h in word_hits(log, comp).items():
+            for k, h in [*word_hits(log, comp).items(), *((h.id, h) for h in nonfinite_metric_hits(log, comp))]:
                 have = by_id.get(k)
                 if have is None:
                     by_id[k] = h
@@ -751,6 +834,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 rules.feed(m)
                 tail_metrics.append(m)
                 prev = m
+            tail = (tail + log.clean)[-TAIL_LINES:]
             first_line += len(log.lines)
             if not block:
                 break
@@ -764,7 +848,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     cut_short = head is not None and (exc is None or exc[0] < head)
     return Findings(list(by_id.values()), tail_metrics, markers, exc, cut_short, code, sig_no, stopped_by, dropped, comp.table,
-                    summary=rules.summary())
+                    summary=rules.summary(), tail=tail)
 
 
 class _TableState:
