@@ -298,6 +298,7 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
 # key: nan / key=inf / 'key': -inf, the key up to four words (a tqdm postfix, a `key: value` print, a dict).
 _NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\[\]]*){0,3})['\"]?\s*[:=]\s*['\"]?"
                              r"(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
+_NONFINITE_WORD = re.compile(r"[:=]\s*['\"]?[-+]?(?:nan|inf)", re.I)
 # Slots NumberRules checks itself (a NaN loss is nonfinite-loss, not this rule's).
 _CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
 
@@ -305,14 +306,14 @@ _CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
 def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
     """NaN or inf in a logged metric no other rule reads (any name but the table's nonfinite_ignore words)."""
     sig = comp.by_rule.get("nonfinite-metric")
-    if sig is None or not ("nan" in log.text or "NaN" in log.text or "inf" in log.text or "NAN" in log.text):
+    if sig is None:
         return []
     lines: list[tuple[int, str]] = []
     names: dict[str, None] = {}
-    for i, clean in enumerate(log.clean):
-        low = clean.lower()
-        if "nan" not in low and "inf" not in low:
-            continue
+    # Only the lines holding a NaN/inf word are read (found in C over the whole text, as the word scan is).
+    candidates = sorted({log.line_of(m.start()) for m in _NONFINITE_WORD.finditer(log.text)})
+    for i in candidates:
+        clean = log.clean[i]
         found = False
         for m in _NONFINITE_PAIR.finditer(clean):
             key = normalise_key(m.group("key"))
