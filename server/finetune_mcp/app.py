@@ -49,7 +49,8 @@ async def call_phase(pc: PhaseContext, ctx: Context | None, tool: Tool, /, **kwa
 
     try:
         fn = tool.function()  # the phase module is imported here, on the tool's first call
-        args = tool.args.model_validate(kwargs)
+        # The SDK validated kwargs against the Args model's own fields (arg_parameters); build it without a second pass.
+        args = tool.args.model_construct(**kwargs)
         result = await anyio.to_thread.run_sync(functools.partial(fn, pc.with_progress(progress), args))
     except FtError as e:
         raise ToolError(str(e)) from None

@@ -13,7 +13,8 @@ from finetune_mcp import schemas as S
 from finetune_mcp.common.errors import NotFound, Refused
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.domain import progress
-from finetune_mcp.domain.run_state import checkpoints, read_json_file, run_config, run_state
+from finetune_mcp.domain.run_state import checkpoints, run_config, run_state
+from finetune_mcp.workspace import read_json_file
 
 
 @dataclass

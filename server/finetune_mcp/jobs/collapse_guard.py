@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 from finetune_mcp.common import records as R
 
@@ -34,11 +36,14 @@ def near_duplicates(texts: list[str], mh: dict, seed: int = 0) -> tuple[list[int
     return match, int(len(lo))
 
 
+@dataclass
 class _Shingles:
     """Each record's k-word shingles hashed to 32 bits, flat: x[off[i]:off[i] + count] belong to record i."""
 
-    def __init__(self, x, rec_of, off, empty):
-        self.x, self.rec_of, self.off, self.empty = x, rec_of, off, empty
+    x: Any
+    rec_of: Any
+    off: Any
+    empty: Any
 
 
 def _shingles(texts: list[str], k: int) -> _Shingles:

@@ -262,7 +262,7 @@ class _Export:
 
     def __init__(self, params: dict[str, Any]):
         self.params = params
-        self.fmt, self.runtime, self.smoke_rt = params["format"], params["runtime"], params["smoke_runtime"]
+        self.fmt, self.smoke_rt = params["format"], params["smoke_runtime"]
         self.base_model, self.adapter_dir = params["base_model"], params["adapter_dir"]
         self.goldens, self.mnt = params["goldens"], int(params.get("max_new_tokens") or 32)
         self.export_dir, self.merged_dir = Path(params["export_dir"]), Path(params["merged_dir"])

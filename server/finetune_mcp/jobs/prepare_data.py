@@ -15,6 +15,7 @@ import math
 import os
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -507,11 +508,14 @@ def apply_length_policy(tp: "Templater", records: list, seqs: list, origins, fmt
     return out
 
 
+@dataclass
 class _Cut:
     """What truncating one record did: what was cut and whether inside an answer, or why it was dropped instead."""
 
-    def __init__(self, what: str = "", in_answer: bool = False, dropped: str | None = None, field: str | None = None):
-        self.what, self.in_answer, self.dropped, self.field = what, in_answer, dropped, field
+    what: str = ""
+    in_answer: bool = False
+    dropped: str | None = None
+    field: str | None = None
 
 
 def _trained_within(parts, seq_len: int) -> bool:
@@ -696,9 +700,14 @@ class _Clusters:
         self.parent[self.root(j)] = self.root(i)
 
 
+@dataclass
 class _Near:
-    def __init__(self, clusters: _Clusters, count: int, share: float, example: str | None):
-        self.clusters, self.count, self.share, self.example = clusters, count, share, example
+    """The near-copy pass: its clusters, how many records are near copies, their share, and one example pair."""
+
+    clusters: _Clusters
+    count: int
+    share: float
+    example: str | None
 
 
 def _near_copies(P: dict, checked: R.Checked, base: dict, sink: R.Sink) -> _Near:

@@ -23,10 +23,10 @@ from finetune_mcp import signing
 from finetune_mcp.common.errors import BadInput, FtError, NotFound
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.domain import progress
-from finetune_mcp.domain.run_state import read_json_file, run_config, run_state
+from finetune_mcp.domain.run_state import RunState, run_config, run_state
 from finetune_mcp.domain.verdicts import read_eval_result, verify_evaluation
 from finetune_mcp.worker import run_job
-from finetune_mcp.workspace import parse_run_ref, validate_experiment
+from finetune_mcp.workspace import parse_run_ref, read_json_file, validate_experiment
 
 
 MAX_RUNS = 200
@@ -57,15 +57,15 @@ def _settings(cfg: dict) -> dict[str, Any]:
     return flat
 
 
-def _wall_s(run_dir: Path, metrics: dict | None, status: str) -> float | None:
+def _wall_s(run_json: dict | None, metrics: dict | None, state: RunState) -> float | None:
     if metrics and isinstance(metrics.get("train_runtime_s"), (int, float)):
         return float(metrics["train_runtime_s"])
-    rj = read_json_file(run_dir / "run.json") or {}
+    rj = run_json or {}
     start = rj.get("start_time") or _epoch(rj.get("created_at"))
     if not start:
         return None
-    ex = read_json_file(run_dir / "exit.json") or {}
-    end = _epoch(ex.get("ended_at")) or (time.time() if status in ("starting", "running") else None)
+    ex = state.exit or {}
+    end = _epoch(ex.get("ended_at")) or (time.time() if state.status in ("starting", "running") else None)
     return round(end - float(start), 1) if end else None
 
 
@@ -138,7 +138,8 @@ def compare_runs(pc: PhaseContext, args: S.CompareRunsArgs) -> S.CompareResult:
     for d, s in zip(dirs, settings):
         run_id = f"{experiment}/{d.name}"
         recs = progress.all_records(d)
-        state = run_state(d, read_json_file(d / "run.json"), has_records=bool(recs))
+        run_json = read_json_file(d / "run.json")
+        state = run_state(d, run_json, has_records=bool(recs))
         metrics = read_json_file(d / "metrics.json") or {}
         finite = [r for r in recs if math.isfinite(r["loss"])]
         best = min(finite, key=lambda r: r["loss"]) if finite else None
@@ -150,7 +151,7 @@ def compare_runs(pc: PhaseContext, args: S.CompareRunsArgs) -> S.CompareResult:
             best_loss=_finite(best["loss"]) if best else None, best_step=best["step"] if best else None,
             eval_loss=_finite((ev or {}).get("eval_loss")) or _finite((metrics.get("eval") or {}).get("eval_loss")),
             eval_accuracy=_finite((ev or {}).get("task_accuracy")),
-            wall_s=_wall_s(d, metrics, state.status), tokens_per_s=_tokens_per_s(d),
+            wall_s=_wall_s(run_json, metrics, state), tokens_per_s=_tokens_per_s(d),
             resumed_from=((run_config(d).get("run") or {}).get("resumed_from") or {}).get("run_id"),
         ))
         if finite:

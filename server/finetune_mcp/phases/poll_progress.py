@@ -15,7 +15,8 @@ from finetune_mcp.context import PhaseContext
 from finetune_mcp.domain import progress
 from finetune_mcp.domain.resume import resume_jumps
 from finetune_mcp.domain.run_notes import cites, lifecycle_notes
-from finetune_mcp.domain.run_state import config_value, read_json_file, run_state
+from finetune_mcp.domain.run_state import config_value, run_state
+from finetune_mcp.workspace import read_json_file
 from finetune_mcp.worker import run_job
 
 

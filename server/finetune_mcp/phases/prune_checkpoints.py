@@ -11,7 +11,8 @@ from finetune_mcp.common.errors import Refused
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.digest import verify_folder
 from finetune_mcp.domain.run_notes import cites, note
-from finetune_mcp.domain.run_state import read_json_file, run_state
+from finetune_mcp.domain.run_state import run_state
+from finetune_mcp.workspace import read_json_file
 
 
 def prune_checkpoints(pc: PhaseContext, args: S.PruneCheckpointsArgs) -> S.PruneResult:

@@ -11,10 +11,10 @@ from finetune_mcp import schemas as S
 from finetune_mcp.common.errors import Refused
 from finetune_mcp.context import PhaseContext
 from finetune_mcp.domain.run_notes import cites, mark_noted, note
-from finetune_mcp.domain.run_state import TERMINAL, latest_checkpoint, read_json_file, run_state
+from finetune_mcp.domain.run_state import TERMINAL, latest_checkpoint, run_state
 from finetune_mcp.launchers import get_launcher
 from finetune_mcp.launchers.base import STOP_MARKER
-from finetune_mcp.workspace import atomic_write_json, utc_now
+from finetune_mcp.workspace import atomic_write_json, read_json_file, utc_now
 
 
 def stop_run(pc: PhaseContext, args: S.StopRunArgs) -> S.StopResult:

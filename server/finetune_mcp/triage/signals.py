@@ -706,12 +706,12 @@ def traceback_cut(log: Log, exception: tuple[int, str] | None) -> bool:
 
 
 def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: list[tuple[int, str]], cut: bool = False,
-                  tail: list[str] | None = None):
+                  tail: list[str] = ()):
     """The fallback rule for a failure no signal names: by the exception line, else the last markers
     (the innermost traceback frames, where an excerpt cut before the exception line stops); a traceback
-    cut short is read by the table's cut_traceback rules first, on its last lines (frames and their code)."""
+    cut short is read by the table's cut_traceback rules first, on the log's last lines (frames and their code)."""
     if cut or exception is None:
-        frames = "\n".join(tail[-TAIL_LINES:] if tail else [t for _, t in markers[-6:]])
+        frames = "\n".join(tail)
         for rule, rx in comp.cut_traceback:
             if rx.search(frames):
                 return rule
