@@ -363,6 +363,12 @@ class RecordRules(Strict):
     spike_factor: float = Field(gt=1, description="a loss above this x the rolling median is a spike")
     spike_min_history: int = Field(ge=1)
     spike_window: int = Field(ge=1)
+    spike_abs_min: float = Field(0.0, ge=0, description="a spike must rise at least this much above the median (print noise near zero)")
+    spike_recover_factor: float = Field(0.0, ge=0, description="a spike the loss comes back under this x the median from is one bad batch (0: never)")
+    spike_recover_logs: int = Field(1, ge=1, description="... within this many logs")
+    rise_window: int = Field(1, ge=1, description="a long curve is read for a rise by its rolling median over this many values")
+    rise_smooth_after: int = Field(10**9, ge=1, description="a curve of at least this many values is a long one")
+    went_on_records: int = Field(0, ge=0, description="metric records logged after the last error line that show the run went on (0: never)")
     rise_factor: float = Field(gt=1, description="the last loss at this x the minimum before it is a divergence")
     rise_min_history: int = Field(ge=1, description="losses needed before the minimum counts")
     rise_back_to: float = Field(gt=0, description="and the last loss is at least this fraction of the first: it climbed back, not a converged run's noise")
@@ -379,6 +385,7 @@ class RecordRules(Strict):
     kl_rise_factor: float = Field(20.0, gt=1, description="the KL before it was at most kl_max / this")
     adversarial_words: list[str] = Field(default_factory=list, description="words of a loss key that is one side of a GAN's game: no rise/spike rule")
     nonfinite_ignore: list[str] = Field(default_factory=list, description="words of a metric key whose NaN is not the run's numbers (means over nothing yet, counts, timers)")
+    nonfinite_recovered_logs: int = Field(3, ge=0, description="a metric printed finite this many times after its last NaN/inf had a transient, not a divergence (0: never)")
 
 
 class FallbackRule(Strict):

@@ -36,7 +36,9 @@ from finetune_mcp.domain.run_state import config_value, logging_every
 RECORD_KEYS = ("step", "loss", "lr", "mem_gb", "temp_c")
 # A loss spike is what triage calls one (dgx-spark-ops failure-signals table, `records`: above
 # spike_factor x the median of the previous spike_window finite losses, once spike_min_history of them
-# exist), so a poll and a later triage of the same run agree. A live run with no new record for
+# exist, and at least spike_abs_min above it), so a poll and a later triage of the same run agree on
+# what a spike is. A poll flags it when it happens; triage, reading the log afterwards, calls it a
+# divergence only if the loss did not come back within spike_recover_logs. A live run with no new record for
 # FINETUNE_MCP_STALL_MINUTES (default 10) has stalled.
 STALL_MINUTES_DEFAULT = 10.0
 _CHUNK = 1 << 16
@@ -233,11 +235,12 @@ class SpikeRule:
     factor: float
     window: int
     min_history: int
+    abs_min: float = 0.0
 
 
 def spike_rule(skills) -> SpikeRule:
     r = skills.table("dgx-spark-ops", "failure-signals").records
-    return SpikeRule(float(r.spike_factor), int(r.spike_window), int(r.spike_min_history))
+    return SpikeRule(float(r.spike_factor), int(r.spike_window), int(r.spike_min_history), float(r.spike_abs_min))
 
 
 def _anomalies(records: list[dict], window: collections.deque, rule: SpikeRule) -> list[S.Anomaly]:
@@ -252,7 +255,7 @@ def _anomalies(records: list[dict], window: collections.deque, rule: SpikeRule) 
             continue
         if len(window) >= rule.min_history:
             med = statistics.median(window)
-            if med > 0 and loss > rule.factor * med:
+            if med > 0 and loss > rule.factor * med and loss - med >= rule.abs_min:
                 out.append(S.Anomaly(kind="loss-spike", step=r["step"],
                                      message=f"loss {loss:.4g} at step {r['step']} is {loss / med:.1f}x the running median {med:.4g} "
                                              f"of the previous {len(window)} records"))

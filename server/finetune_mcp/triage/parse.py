@@ -32,6 +32,21 @@ _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
 # "reducing loss scale to 0.5": the scale after the cut.
 _SCALE_CUT = re.compile(r"(?:reducing to|reducing loss scale to|dynamic loss scale from \S+ to)\s+(" + _NUM + r")", re.I)
 _NONFINITE = re.compile(r"(?<![\w'\"])(-?(?:nan|inf(?:inity)?))(?![\w'\"])", re.I)
+# A printout of settings, not a measurement: DeepSpeed's and Megatron's `key ........ value` listings and
+# an options table's `key: value [default: x]`. (A pretty-printed JSON line is not one: the same shape holds
+# trainer_state.json's log_history; a first loss scale of 0, DeepSpeed's "dynamic", is NumberRules' to skip.)
+_SETTING = re.compile(r"\w \.{3,} \S|\[default: ")
+# One `key: inf` alone on its line (after prefixes): an unbounded limit in an options or JSON config dump
+# (max_dataset_size: inf, "steps_per_print": inf); a metric that overflows is printed beside the step or
+# other metrics.
+_LONE_INF = re.compile(r"^\s*['\"]?[\w.\-]+['\"]?\s*[:=]\s*['\"]?inf(?:inity)?['\"]?,?\s*$", re.I)
+
+
+def is_setting(clean: str) -> bool:
+    """True for a (cleaned) line that prints a setting, not a measurement (see _SETTING)."""
+    if "..." not in clean and "[default" not in clean and "inf" not in clean and "INF" not in clean and "Inf" not in clean:
+        return False  # most lines: a few substring tests, no regex
+    return bool(_SETTING.search(clean) or _LONE_INF.match(clean))
 
 # Terminal escapes: CSI/OSC sequences with the ESC byte, in caret notation (^[[33m, as `cat -v` and
 # many pastes show them) or spelled out (ESC[33m, as some viewers render them), and SGR colour codes
@@ -96,7 +111,7 @@ def key_kind(key: str) -> str | None:
     """What a key outside metric_keys carries, by its name: 'loss', 'eval_loss', 'grad_norm', 'loss_scale', 'kl' or None.
 
     `mtp 1 loss`, `value loss`, `actor pg loss`, `loss a` are losses; `model grad norm`, `grad norm actor`
-    grad norms; `grad scale`, `loss scaler`, `scaler` loss scales; `kl`, `approx kl` a KL (checked for
+    grad norms; `grad scale`, `loss scaler`, `scaler`, `scale_g` loss scales; `kl`, `approx kl` a KL (checked for
     NaN only). Config-like names (`max grad norm`, `init loss scale`, `kl coef`, `loss weight`) are
     settings, not measurements (and a best-so-far tracker's starting +inf is no loss, see _assign); a statistic after the name (`actor loss median`) is still the metric.
     """
@@ -111,7 +126,9 @@ def key_kind(key: str) -> str | None:
         return "eval_loss" if any(t in ("eval", "val", "valid", "validation", "test", "dev") for t in toks) else "loss"
     if any(t.startswith("grad") for t in toks) and any(t.endswith("norm") for t in toks) or "gnorm" in toks:
         return "grad_norm"
-    if toks in (["scale"], ["scaler"]) or ("scale" in toks and any(t in ("grad", "amp", "fp16", "scaler") for t in toks)):
+    # scale_g / scale_d: a GAN's two AMP scalers, one per network
+    if toks in (["scale"], ["scaler"]) or ("scale" in toks and len(toks) == 2 and any(len(t) == 1 for t in toks)) or (
+            "scale" in toks and any(t in ("grad", "amp", "fp16", "scaler") for t in toks)):
         return "loss_scale"
     return None
 
@@ -385,7 +402,7 @@ def parse_text(text: str, keys: KeyMap) -> list[Metric]:
     table = MetricTable(keys)
     out: list[Metric] = []
     for i, (line, clean) in enumerate(zip(lines, clean_lines(lines)), 1):
-        if not may_carry(clean, table):
+        if not may_carry(clean, table) or is_setting(clean):
             continue
         m = parse_line(Metric(i, line), keys, clean, table)
         if carries(m):

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
-from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_lines, may_carry, normalise_key, parse_line, parse_records,
+from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_lines, is_setting, may_carry, normalise_key, parse_line, parse_records,
                                       parse_text, same_record, split_lines, to_number)
 
 SKILL = "dgx-spark-ops"
@@ -265,15 +265,27 @@ class Findings:
     table: Any = None  # the signal table these were found with
     summary: dict | None = None  # the metrics summary, when `metrics` holds only part of a streamed log
     tail: list[str] = field(default_factory=list)  # the log's last lines (cleaned): where an excerpt cut short stops
+    record_lines: list[int] = field(default_factory=list)  # line numbers of the last metric records (went_on_records at most)
+
+    @property
+    def went_on(self) -> bool:
+        """The run logged went_on_records metric records after its last exception and failure line: what
+        was printed was caught (a warning with a traceback, a retried worker, a failed upload), not fatal."""
+        need = self.table.records.went_on_records if self.table is not None else 0
+        last = max(([self.exception[0]] if self.exception else []) + [n for n, _ in self.markers], default=0)
+        return bool(need and last and sum(1 for n in self.record_lines if n > last) >= need)
 
     @property
     def failed(self) -> bool:
         """The run shows it failed: a traceback, an exception, a kill, a non-zero exit. A run known to
-        have exited 0 did not fail, whatever error lines it printed on the way."""
+        have exited 0 did not fail, whatever error lines it printed on the way; nor did one whose
+        training went on well past its last error (went_on)."""
         if self.exit_code == 0 and not self.exit_signal:
             return False
         kill = any(h.signal.failure_class == "oom" and getattr(h.signal, "explained_by_stop", False) for h in self.hits)
-        return bool(self.markers or self.exception or kill or (self.exit_code not in (None, 0)) or self.exit_signal)
+        if kill or (self.exit_code not in (None, 0)) or self.exit_signal:
+            return True
+        return bool(self.markers or self.exception) and not self.went_on
 
 
 # --- word signals ------------------------------------------------------------------------------
@@ -308,13 +320,13 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
     sig = comp.by_rule.get("nonfinite-metric")
     if sig is None:
         return []
-    lines: list[tuple[int, str]] = []
-    names: dict[str, None] = {}
+    found: dict[int, list[str]] = {}  # line index -> the keys printed non-finite on it, as printed
     # Only the lines holding a NaN/inf word are read (found in C over the whole text, as the word scan is).
     candidates = sorted({log.line_of(m.start()) for m in _NONFINITE_WORD.finditer(log.text)})
     for i in candidates:
         clean = log.clean[i]
-        found = False
+        if is_setting(clean):
+            continue
         for m in _NONFINITE_PAIR.finditer(clean):
             key = normalise_key(m.group("key"))
             words = key.split()
@@ -323,13 +335,30 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
             slot = comp.keys.slot_of(m.group("key"))
             if slot is not None and slot.partition(":")[0] in _CHECKED_KINDS:
                 continue
-            names.setdefault(key)
-            found = True
-        if found and len(lines) < MAX_LINES_PER_HIT:
-            lines.append((i + log.first_line, log.lines[i]))
+            found.setdefault(i, []).append(m.group("key"))
+    last = {key: i for i, keys in found.items() for key in keys}
+    lasting = {key for key, i in last.items() if not _recovered(log, key, i, comp.table.records.nonfinite_recovered_logs)}
+    lines = [(i + log.first_line, log.lines[i]) for i, keys in found.items() if lasting.intersection(keys)][:MAX_LINES_PER_HIT]
     if not lines:
         return []
+    names = dict.fromkeys(normalise_key(k) for k in last if k in lasting)
     return [Hit(sig, lines, f"non-finite (NaN or inf) values in {', '.join(list(names)[:6])}")]
+
+
+def _recovered(log: Log, key: str, line: int, enough: int) -> bool:
+    """True when `key` is printed with a finite number at least `enough` times after its last non-finite
+    value (line index `line`): a validation error of inf at the first epoch that is finite ever after is
+    a transient, not the run's numbers going wrong."""
+    if enough <= 0:
+        return False
+    pat = re.compile(r"(?<![\w.])" + re.escape(key) + r"['\"]?\s*[:=]\s*['\"]?[-+]?\.?\d")
+    start = log.starts[line + 1] if line + 1 < len(log.starts) else len(log.text)
+    count = 0
+    for _ in pat.finditer(log.text, start):
+        count += 1
+        if count >= enough:
+            return True
+    return False
 
 
 def _still(line: str, pats: list[re.Pattern], unless: list[re.Pattern]) -> bool:
@@ -378,6 +407,12 @@ def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
+def _grads_move(records) -> bool:
+    """The records log a grad norm that is positive and not the same every time: the weights are moving,
+    whatever a rounded loss print says."""
+    return len({x.grad_norm for x in records if _finite(x.grad_norm) and x.grad_norm > 0}) > 1
+
+
 def number_hits(metrics: list[Metric], comp: Compiled) -> list[Hit]:
     """The records rules of the table applied to parsed metrics; each hit quotes the lines it rests on."""
     rules = NumberRules(comp)
@@ -388,43 +423,91 @@ def number_hits(metrics: list[Metric], comp: Compiled) -> list[Hit]:
 
 class _Series:
     """One loss series (the training loss, or a named one such as value_loss) as the curve rules need it:
-    bounded state, fed one value at a time, so a log of any length is checked in one pass."""
+    bounded state, fed one value at a time, so a log of any length is checked in one pass.
+
+    A spike counts unless the loss comes back under spike_recover_factor x the median before it within
+    spike_recover_logs logs (one bad batch), and only if it rose at least spike_abs_min (a loss printed
+    to four decimals around 0.0001 is noise, whatever the ratio). A long curve (rise_smooth_after values
+    or more) is read for a rise by its rolling median over rise_window values and the value it started
+    at: one lucky batch is not a level the run reached, nor one unlucky batch the level it came back to."""
 
     def __init__(self, rules):
         self.rules = rules
         self.window: deque[float] = deque(maxlen=rules.spike_window)
         self.spikes: list[tuple[Metric, float]] = []
+        self.pending: list[tuple[Metric, float, int]] = []  # spikes not yet known to last: (metric, median, logs since)
         self.first: float | None = None
         self.count = 0
         self.low: tuple[float, Metric] | None = None  # the minimum before the last value
         self.last: Metric | None = None
         self.last_value: float | None = None
+        self.recent: deque[tuple[float, Metric]] = deque(maxlen=rules.rise_window)
+        self.sorted_recent: list[float] = []  # the values of `recent`, sorted (the rolling median without a sort per value)
+        self.smooth_low: tuple[float, Metric] | None = None  # the lowest rolling median before the last one
+        self.smooth_last: float | None = None
+        self.smooth_at: tuple[float, Metric] | None = None
 
     def feed(self, m: Metric, v: float):
         r = self.rules
+        self._settle(v)
         if len(self.window) >= r.spike_min_history and v > r.spike_factor * min(self.window):
-            w = sorted(self.window)
-            n = len(w)
-            med = w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
-            if med > 0 and v > r.spike_factor * med and len(self.spikes) < MAX_LINES_PER_HIT:
-                self.spikes.append((m, med))
+            med = _median(self.window)
+            if med > 0 and v > r.spike_factor * med and v - med >= r.spike_abs_min:
+                self.pending.append((m, med, 0))
         self.window.append(v)
         if self.last is not None and (self.low is None or self.last_value < self.low[0]):
             self.low = (self.last_value, self.last)
         if self.first is None:
             self.first = v
+            self.smooth_low = (v, m)  # where the curve started is a level it held, however short the log
         self.last, self.last_value = m, v
         self.count += 1
+        if len(self.recent) == self.recent.maxlen:
+            self.sorted_recent.remove(self.recent[0][0])
+        self.recent.append((v, m))
+        bisect.insort(self.sorted_recent, v)
+        if len(self.recent) == self.recent.maxlen:
+            if self.smooth_last is not None and self.smooth_last < self.smooth_low[0]:
+                self.smooth_low = self.smooth_at
+            w, n = self.sorted_recent, len(self.sorted_recent)
+            self.smooth_last = w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
+            self.smooth_at = (self.smooth_last, self.recent[n // 2][1])
+
+    def _settle(self, v: float):
+        """Age the pending spikes by one log: one the loss came back from is dropped, one that lasted is kept."""
+        r = self.rules
+        still = []
+        for m, med, age in self.pending:
+            if v <= r.spike_recover_factor * med:
+                continue  # recovered: one bad batch
+            if age + 1 >= r.spike_recover_logs:
+                if len(self.spikes) < MAX_LINES_PER_HIT:
+                    self.spikes.append((m, med))
+            else:
+                still.append((m, med, age + 1))
+        self.pending = still
+
+    def lasting_spikes(self) -> list[tuple[Metric, float]]:
+        """The spikes that did not recover, a spike the log ends on included (nothing shows it recovered)."""
+        return (self.spikes + [(m, med) for m, med, _ in self.pending])[:MAX_LINES_PER_HIT]
 
     def rise(self) -> tuple[Metric, float, Metric, float] | None:
         r = self.rules
         if self.count <= r.rise_min_history or self.low is None:
             return None
-        low_v, low_m = self.low
-        last_v = self.last_value
+        if self.count >= r.rise_smooth_after and self.smooth_last is not None:
+            (low_v, low_m), last_v = self.smooth_low, self.smooth_last
+        else:
+            (low_v, low_m), last_v = self.low, self.last_value
         if low_v > 0 and last_v >= r.rise_factor * low_v and last_v >= r.rise_back_to * self.first:
             return low_m, low_v, self.last, last_v
         return None
+
+
+def _median(values) -> float:
+    w = sorted(values)
+    n = len(w)
+    return w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
 
 
 class NumberRules:
@@ -532,7 +615,7 @@ class NumberRules:
         if m.loss == 0 and m.grad_norm is not None and math.isnan(m.grad_norm) and len(self.zero_nan) < MAX_LINES_PER_HIT:
             self.zero_nan.append(m)
         for v in scales[:1]:
-            if _finite(v):
+            if _finite(v) and (v > 0 or self.scale_prev is not None):  # a first scale of 0 is a config's "dynamic"
                 self._scale(m, v)
         if _finite(m.loss):
             self._flat(m)
@@ -588,7 +671,7 @@ class NumberRules:
             key = tuple(self.recent_vals)
             i = self.finite_count - r.flat_repeat_window
             have = self.seen_windows.get(key)
-            if have is not None and i >= have[0] + r.flat_repeat_window:
+            if have is not None and i >= have[0] + r.flat_repeat_window and not _grads_move(self.recent):
                 first = Metric(have[1], have[2])
                 self.flat = ([first] + list(self.recent), f"the same {r.flat_repeat_window} losses recur exactly (from line {first.line} "
                                                           f"and again from {self.recent[0].line}): the weights are not changing")
@@ -599,6 +682,8 @@ class NumberRules:
         r = self.r
         if self.flat is None and self.run_vals:
             v = self.run_vals[0].loss
+            if v != 0 and _grads_move(self.run_vals):
+                return  # a loss printed rounded (HF's 'loss': 4.3) beside a grad norm that moves: the weights do change
             if len(self.run_vals) >= (r.zero_loss_run if v == 0 else r.flat_identical_run):
                 self.flat = (self.run_vals[:MAX_LINES_PER_HIT], f"the loss stays at exactly {v:g} for {len(self.run_vals)} consecutive logs")
 
@@ -629,7 +714,7 @@ class NumberRules:
         add("nonfinite-loss", self.nonfinite, f"non-finite (NaN or inf) values in {names(lambda k: k not in grad_names)}")
         add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
-        spikes = [(name, sp) for name, se in self.series.items() for sp in se.spikes]
+        spikes = [(name, sp) for name, se in self.series.items() for sp in se.lasting_spikes()]
         if spikes:
             name, (m, med) = min(spikes, key=lambda x: x[1][0].line)
             what = "loss" if name == "loss" else name
@@ -764,7 +849,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table,
-                    tail=log.clean[-TAIL_LINES:])
+                    tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics][len(metrics) - comp.table.records.went_on_records:])
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -795,6 +880,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     exc: tuple[int, str] | None = None
     head: int | None = None
     tail_metrics: list[Metric] = []
+    record_lines: deque[int] = deque(maxlen=comp.table.records.went_on_records or 1)
     prev: Metric | None = None
     first_line = 1
     tail: list[str] = []
@@ -827,13 +913,14 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             tail_metrics = []
             table = table_state.table
             for i, clean in enumerate(log.clean):
-                if not may_carry(clean, table):
+                if not may_carry(clean, table) or is_setting(clean):
                     continue
                 m = table_state.parse(Metric(i + first_line, log.lines[i]), clean)
                 if m is None or (prev is not None and same_record(prev, m)):
                     continue
                 rules.feed(m)
                 tail_metrics.append(m)
+                record_lines.append(m.line)
                 prev = m
             tail = (tail + log.clean)[-TAIL_LINES:]
             first_line += len(log.lines)
@@ -849,7 +936,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     cut_short = head is not None and (exc is None or exc[0] < head)
     return Findings(list(by_id.values()), tail_metrics, markers, exc, cut_short, code, sig_no, stopped_by, dropped, comp.table,
-                    summary=rules.summary(), tail=tail)
+                    summary=rules.summary(), tail=tail, record_lines=list(record_lines))
 
 
 class _TableState:
