@@ -100,6 +100,11 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("subprocess.CalledProcessError: Command '['python3']' died with <Signals.SIGKILL: 9>.", "sigkill-in-log"),
     ("slurmstepd: error: *** JOB 4523781 ON della-i23g1 CANCELLED AT 2026-02-06T10:15:37 DUE to SIGNAL Terminated ***", "slurm-cancelled"),
     ("NaN detected after softmax", "nonfinite-printout"),
+    ("/bin/sh: 1: torchrun: not found", "tool-failure"),
+    ("scripts/dft_train.sh: line 15: data.max_length=2048: command not found", "tool-failure"),
+    ("nvcc fatal   : Unsupported gpu architecture 'compute_90'", "tool-failure"),
+    ("ERROR: No matching distribution found for torch==2.1.0", "tool-failure"),
+    ("make[2]: *** [CMakeFiles/lenet.dir/main.cpp.o] Error 1", "tool-failure"),
     ("RuntimeError: Function 'MulBackward0' returned nan values in its 0th output.", "nonfinite-printout"),
     ("deepspeed.ops.op_builder.builder.MissingCUDAException: CUDA_HOME does not exist, unable to compile CUDA op(s)", "cuda-toolkit-missing"),
     ("RuntimeError: Error building extension 'fused_adam'", "extension-build-failed"),
@@ -336,3 +341,24 @@ def test_a_run_that_went_on_after_a_traceback_did_not_die_there():
     assert not find(tb + steps).failed  # n records after it: caught, the run went on
     assert find(tb + steps[: steps.index(f"step:{n}/")]).failed  # one fewer: it may have killed the run
     assert find(steps + tb).failed  # the last thing the run printed
+    # Read none, but never silently: the error lines are named as evidence and the runner-up says what they suggest.
+    from finetune_mcp.triage import classify_text
+
+    r = classify_text(tb + steps)
+    assert r.failure_class == "none" and "line 3" in r.reason and r.runner_up.failure_class == "environment"
+    assert (3, "SystemError: PY_SSIZE_T_CLEAN macro must be defined for '#' formats") in r.evidence
+
+
+def test_a_signal_the_run_trained_past_is_set_aside_but_named():
+    from finetune_mcp.triage import classify_text
+
+    n = RULES.went_on_records
+    steps = "".join(f"epoch 1 step {i} loss {2.3 - i * 0.01:.3f}\n" for i in range(1, n + 1))
+    early = "nvidia-smi: command not found\n"
+    r = classify_text(early + steps)
+    assert r.failure_class == "none" and "tool-failure (last at line 1)" in r.reason
+    assert classify_text(early + steps.rsplit("epoch", 1)[0]).failure_class == "environment"  # one record fewer
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+    assert classify_text(steps + oom).failure_class == "oom"  # what the run ended on is never set aside
+    # A NaN the run went on past is still a divergence: numbers that went wrong stay wrong.
+    assert classify_text("epoch 1 step 0 loss nan\n" + steps).failure_class == "divergence"

@@ -173,8 +173,15 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         dropped_note = f" The SIGKILL signs ({ids}) were set aside: stop_run asked for this stop, so the kill is ours, not the OOM killer's."
 
     by_class: dict[str, list[Hit]] = {}
+    outlived: list[Hit] = []
     for h in f.hits:
+        if h.failure_class in ("environment", "oom") and f.outlived(h):
+            outlived.append(h)  # training went on past it: not what ended the run
+            continue
         by_class.setdefault(h.failure_class, []).append(h)
+    if outlived:
+        ids = ", ".join(f"{h.id} (last at line {h.last or h.lines[-1][0]})" for h in _order(outlived))
+        dropped_note += (f" Set aside, the run logged {f.table.records.went_on_records} or more records after them: {ids}.")
     stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped"]
     scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}
     fallback = None
@@ -207,8 +214,18 @@ def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -
             else "no failure lines and no failure signal")
     reason = f"No failure: {what}." + (f" Known benign lines: {', '.join(sorted({h.id for h in benign}))}." if benign else "") + dropped_note
     conf = 0.8 if summary.get("losses") else 0.6
-    return Classification("none", reason, _evidence(benign), [h.id for h in _order(benign)], None, "healthy", conf,
-                          _alternative("none", conf), _missing("none", benign, f, False), summary)
+    runner_up, extra = _alternative("none", conf), []
+    if f.went_on and (f.exception or f.markers):
+        # Never silent: the error lines the run went on past are named, with the class they would suggest.
+        extra = ([f.exception] if f.exception else []) + f.markers[-2:]
+        first = f.exception[0] if f.exception else min(n for n, _ in extra)
+        reason += (f" The error at line {first} was followed by {f.table.records.went_on_records} or more logged "
+                   f"records: the run went on, so it was caught, not fatal.")
+        conf = min(conf, 0.7)
+        runner_up = RunnerUp("environment", 0.25, f"the error at line {first} if it did stop part of the run (a worker, an "
+                                                  f"upload, a callback) - check what it belonged to")
+    return Classification("none", reason, _evidence(benign, extra), [h.id for h in _order(benign)], None, "healthy", conf,
+                          runner_up, _missing("none", benign, f, False), summary)
 
 
 def _by_fallback(f: Findings, cls: str, fallback, conf: float, runner_up: RunnerUp | None, summary: dict,

@@ -235,6 +235,7 @@ class Hit:
     signal: Any
     lines: list[tuple[int, str]] = field(default_factory=list)
     detail: str = ""
+    last: int = 0  # the last line it matched on (lines holds the first few only); 0: not from a line
 
     @property
     def id(self) -> str:
@@ -267,6 +268,13 @@ class Findings:
     tail: list[str] = field(default_factory=list)  # the log's last lines (cleaned): where an excerpt cut short stops
     record_lines: list[int] = field(default_factory=list)  # line numbers of the last metric records (went_on_records at most)
 
+    def outlived(self, hit: Hit) -> bool:
+        """The run logged went_on_records metric records after the hit's last line: whatever it said (an
+        OOM a batch-size finder caught, a tool an optional step lacked), training went on past it."""
+        need = self.table.records.went_on_records if self.table is not None else 0
+        last = hit.last or (hit.lines[-1][0] if hit.lines else 0)
+        return bool(need and last and sum(1 for n in self.record_lines if n > last) >= need)
+
     @property
     def went_on(self) -> bool:
         """The run logged went_on_records metric records after its last exception and failure line: what
@@ -282,7 +290,8 @@ class Findings:
         training went on well past its last error (went_on)."""
         if self.exit_code == 0 and not self.exit_signal:
             return False
-        kill = any(h.signal.failure_class == "oom" and getattr(h.signal, "explained_by_stop", False) for h in self.hits)
+        kill = any(h.signal.failure_class == "oom" and getattr(h.signal, "explained_by_stop", False) and not self.outlived(h)
+                   for h in self.hits)
         if kill or (self.exit_code not in (None, 0)) or self.exit_signal:
             return True
         return bool(self.markers or self.exception) and not self.went_on
@@ -303,7 +312,8 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
             # What the `unless` patterns match is cut from the line; the signal counts if it still matches the rest.
             matched = {i for i in matched if _still(log.clean[i], pats, unless)}
         if matched:
-            out[s.id] = Hit(s, [(i + log.first_line, log.lines[i]) for i in sorted(matched)][:MAX_LINES_PER_HIT * 4])
+            out[s.id] = Hit(s, [(i + log.first_line, log.lines[i]) for i in sorted(matched)][:MAX_LINES_PER_HIT * 4],
+                            last=max(matched) + log.first_line)
     return out
 
 
@@ -822,6 +832,7 @@ def _merge_hits(by_id: dict[str, Hit], hits) -> None:
         else:
             have.lines = sorted(set(have.lines) | set(h.lines))
             have.detail = have.detail or h.detail
+            have.last = max(have.last, h.last)
 
 
 def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
@@ -901,8 +912,10 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 have = by_id.get(k)
                 if have is None:
                     by_id[k] = h
-                elif len(have.lines) < MAX_LINES_PER_HIT * 4:
-                    have.lines.extend(h.lines[:MAX_LINES_PER_HIT * 4 - len(have.lines)])
+                else:
+                    have.last = max(have.last, h.last)
+                    if len(have.lines) < MAX_LINES_PER_HIT * 4:
+                        have.lines.extend(h.lines[:MAX_LINES_PER_HIT * 4 - len(have.lines)])
             marked: set[int] = set()
             for m in comp.markers:
                 if log.may_match(m, comp):
