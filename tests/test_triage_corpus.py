@@ -250,7 +250,10 @@ def test_records_nan_spike_flat_and_healthy():
     # One bad batch the loss came straight back from is no divergence.
     assert classify_records(_recs([2.0, 1.9, 1.8, 1.7, 40.0, 1.6, 1.55, 1.5])).failure_class == "none"
     assert classify_records(_recs([0.0] * 6)).signals == ["flat-loss"]
-    assert classify_records(_recs([1.3, 1.1, 1.2, 0.9, 1.0, 1.4] * 2)).signals == ["flat-loss"]
+    assert classify_records(_recs([1.312, 1.107, 1.236, 0.913, 1.018, 1.409] * 2)).signals == ["flat-loss"]
+    # Printed with two significant digits, values repeat by rounding while the weights move: not flat.
+    assert classify_records(_recs([1.3, 1.1, 1.2, 0.9, 1.0, 1.4] * 2)).failure_class == "none"
+    assert classify_records(_recs([0.0019] * 8)).failure_class == "none"
     healthy = classify_records(_recs([2.3, 2.0, 1.8, 1.7, 1.61, 1.58, 1.52, 1.5]))
     assert (healthy.failure_class, healthy.healthy_or_unrecognised) == ("none", "healthy")
     # The spike rule needs history: a high first loss is a start, not a spike.

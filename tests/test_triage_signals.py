@@ -362,3 +362,35 @@ def test_a_signal_the_run_trained_past_is_set_aside_but_named():
     assert classify_text(steps + oom).failure_class == "oom"  # what the run ended on is never set aside
     # A NaN the run went on past is still a divergence: numbers that went wrong stay wrong.
     assert classify_text("epoch 1 step 0 loss nan\n" + steps).failure_class == "divergence"
+
+
+def test_a_nan_grad_norm_the_run_logged_finite_ones_after_was_a_skipped_step():
+    n = RULES.nonfinite_recovered_logs
+    recs = [Metric(1, "a", step=100, loss=1.91, grad_norm=float("nan"))]
+    recs += [Metric(i + 2, "b", step=200 + i, loss=0.9, grad_norm=3.9) for i in range(n)]
+    assert "nonfinite-grad-norm" not in _ids(recs)  # fp16 loss scaling skipped the step; the loss stayed finite
+    assert "nonfinite-grad-norm" in _ids(recs[:n])  # fewer finite ones after it: not yet
+    assert "nonfinite-grad-norm" in _ids(recs + [Metric(n + 2, "c", step=900, loss=float("nan"), grad_norm=3.9)])
+
+
+def test_a_loss_that_only_looks_flat():
+    n = RULES.flat_identical_run
+    moving = [Metric(i, "x", step=i, loss=0.0, grad_norm=0.2 + i / 100) for i in range(1, n + 2)]
+    assert "flat-loss" not in _ids(moving)  # GRPO logs loss 0.0 while its grad norm moves: the policy learns
+    stuck = [Metric(i, "x", step=i, loss=0.0, grad_norm=0.0) for i in range(1, n + 2)]
+    assert "flat-loss" in _ids(stuck)
+    assert "flat-loss" in _ids([Metric(i, "x", step=i, loss=6.90776) for i in range(1, n + 2)])  # ln(1000), to 6 digits
+    assert "flat-loss" not in _ids([Metric(i, "x", step=i, loss=4.3) for i in range(1, n + 2)])  # HF's rounded print
+
+
+def test_a_second_run_appended_to_the_log_starts_the_curve_rules_over():
+    def run(losses):
+        return [Metric(0, "x", loss=v, epoch=round(0.1 * (i + 1), 2)) for i, v in enumerate(losses)]
+
+    first = run([2.0, 1.0, 0.4, 0.1, 0.02, 0.01, 0.012, 0.011])
+    second = run([2.1, 1.2, 0.5])  # the relaunch starts where every run starts
+    ms = [Metric(i + 1, f"line {i + 1}", loss=m.loss, epoch=m.epoch) for i, m in enumerate(first + second)]
+    assert not {"loss-rise", "loss-spike"} & set(_ids(ms))
+    # Without the epoch going back, the same numbers are a run that came apart.
+    flat = [Metric(i + 1, f"line {i + 1}", loss=m.loss, epoch=1.0 + i / 10) for i, m in enumerate(first + second)]
+    assert {"loss-rise", "loss-spike"} & set(_ids(flat))

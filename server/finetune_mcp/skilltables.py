@@ -345,11 +345,12 @@ class MetricKeys(Strict):
     lr: list[str] = Field(min_length=1)
     step: list[str] = Field(min_length=1)
     loss_scale: list[str] = Field(min_length=1)
+    epoch: list[str] = Field(default_factory=list, description="keys of the epoch counter (a run logged again from the start goes back)")
 
     @_model_validator(mode="after")
     def _disjoint(self):
         seen: dict[str, str] = {}
-        for field in ("loss", "eval_loss", "grad_norm", "lr", "step", "loss_scale"):
+        for field in ("loss", "eval_loss", "grad_norm", "lr", "step", "loss_scale", "epoch"):
             for k in getattr(self, field):
                 if k != k.strip().lower() or "_" in k or "/" in k:
                     raise ValueError(f"metric key {k!r} must be written normalised (lower case, spaces for _ / - .)")

@@ -215,12 +215,14 @@ def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -
     reason = f"No failure: {what}." + (f" Known benign lines: {', '.join(sorted({h.id for h in benign}))}." if benign else "") + dropped_note
     conf = 0.8 if summary.get("losses") else 0.6
     runner_up, extra = _alternative("none", conf), []
-    if f.went_on and (f.exception or f.markers):
+    if (f.went_on or f.threads.only_threads_failed) and (f.exception or f.markers):
         # Never silent: the error lines the run went on past are named, with the class they would suggest.
         extra = ([f.exception] if f.exception else []) + f.markers[-2:]
         first = f.exception[0] if f.exception else min(n for n, _ in extra)
-        reason += (f" The error at line {first} was followed by {f.table.records.went_on_records} or more logged "
-                   f"records: the run went on, so it was caught, not fatal.")
+        reason += (f" The run went on past the error at line {first} ({f.table.records.went_on_records} or more logged "
+                   f"records, or a progress bar run to its total, after it), so it was caught, not fatal." if f.went_on else
+                   f" The error at line {first} was raised in a thread other than the main one (\"Exception in thread\"), "
+                   f"which Python reports and the program outlives, and the program printed on after it.")
         conf = min(conf, 0.7)
         runner_up = RunnerUp("environment", 0.25, f"the error at line {first} if it did stop part of the run (a worker, an "
                                                   f"upload, a callback) - check what it belonged to")

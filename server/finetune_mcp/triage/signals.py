@@ -30,6 +30,51 @@ MAX_MARKERS = 400
 _EXCEPTION = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?(?:[\w]+\.)*((?:[A-Z]\w*)?(?:Error|Exception|Interrupt|Exit))(?:\([\w.]*\))?(?::|\s*$)")
 _EXCEPTION_M = re.compile(r"^[^\w\n]*(?:\[rank\d+\]:[ \t]*)?(?:[\w]+\.)*((?:[A-Z]\w*)?(?:Error|Exception|Interrupt|Exit))(?:\([\w.]*\))?(?::|[ \t]*$)", re.M)
 _EXCEPTION_WORD = re.compile(r"Error|Exception|Interrupt|Exit")
+# A line of a printed traceback (header, frame, source line, caret, exception line) or blank: not the program
+# going on. Read only in the rare log that holds an "Exception in thread" header.
+_TRACEBACK_LINE = re.compile(r"^\s*$|^Traceback \(most recent call last\)|^Exception in thread |^\s+|^[\w.]*(?:Error|Exception)\b|^During handling")
+
+
+# A tqdm bar at its total ("100%|██████████| 46/46 [..."): the loop it counts ran to its end.
+_BAR_DONE = re.compile(r"100%\|[^|\n]*\|\s*(\d+)/\1\b")
+
+
+def last_bar_done(log: "Log") -> int | None:
+    """The line number (1-based, in the whole log) of the last progress bar that reached its total."""
+    if "100%" not in log.text:
+        return None
+    last = None
+    for last in _BAR_DONE.finditer(log.text):
+        pass
+    return None if last is None else log.line_of(last.start()) + log.first_line
+
+
+@dataclass
+class Threads:
+    """Python prints an uncaught exception in a thread other than the main one as "Exception in thread NAME:"
+    and a traceback, and the program goes on. Counts of those headers and of all traceback headers, and the
+    lines after the first thread header that are not part of a traceback (the program printing on)."""
+
+    thread_headers: int = 0
+    tracebacks: int = 0
+    lines_after: int = 0
+
+    def feed(self, log: "Log") -> None:
+        if self.thread_headers == 0 and "Exception in thread " not in log.text:
+            self.tracebacks += log.text.count("Traceback (most recent call last)")
+            return
+        for line in log.clean:
+            if line.startswith("Exception in thread "):
+                self.thread_headers += 1
+            elif line.startswith("Traceback (most recent call last)"):
+                self.tracebacks += 1
+            elif self.thread_headers and not _TRACEBACK_LINE.match(line):
+                self.lines_after += 1
+
+    @property
+    def only_threads_failed(self) -> bool:
+        """Every traceback is a thread's, and the program printed on after the first: the main program went on."""
+        return 0 < self.tracebacks <= self.thread_headers and self.lines_after > 0
 
 
 # --- the table ---------------------------------------------------------------------------------
@@ -267,6 +312,8 @@ class Findings:
     summary: dict | None = None  # the metrics summary, when `metrics` holds only part of a streamed log
     tail: list[str] = field(default_factory=list)  # the log's last lines (cleaned): where an excerpt cut short stops
     record_lines: list[int] = field(default_factory=list)  # line numbers of the last metric records (went_on_records at most)
+    threads: Threads = field(default_factory=Threads)
+    bar_done: int | None = None  # the last line where a progress bar reached its total
 
     def outlived(self, hit: Hit) -> bool:
         """The run logged went_on_records metric records after the hit's last line: whatever it said (an
@@ -277,10 +324,13 @@ class Findings:
 
     @property
     def went_on(self) -> bool:
-        """The run logged went_on_records metric records after its last exception and failure line: what
-        was printed was caught (a warning with a traceback, a retried worker, a failed upload), not fatal."""
+        """The run logged went_on_records metric records after its last exception and failure line, or a
+        progress bar reached its total after it: what was printed was caught (a warning with a traceback, a
+        retried worker, a failed upload, a shell's complaint before the job ran), not fatal."""
         need = self.table.records.went_on_records if self.table is not None else 0
         last = max(([self.exception[0]] if self.exception else []) + [n for n, _ in self.markers], default=0)
+        if last and self.bar_done and self.bar_done > last:
+            return True  # a loop ran to its total after the error
         return bool(need and last and sum(1 for n in self.record_lines if n > last) >= need)
 
     @property
@@ -294,7 +344,7 @@ class Findings:
                    for h in self.hits)
         if kill or (self.exit_code not in (None, 0)) or self.exit_signal:
             return True
-        return bool(self.markers or self.exception) and not self.went_on
+        return bool(self.markers or self.exception) and not self.went_on and not self.threads.only_threads_failed
 
 
 # --- word signals ------------------------------------------------------------------------------
@@ -417,6 +467,12 @@ def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
+def _significant_digits(v: float) -> int:
+    """Significant digits of a logged value as it was printed (repr gives back the shortest form: 0.0019 -> 2)."""
+    digits = repr(abs(v)).lower().split("e")[0].replace(".", "").lstrip("0")
+    return len(digits.rstrip("0")) or 1
+
+
 def _grads_move(records) -> bool:
     """The records log a grad norm that is positive and not the same every time: the weights are moving,
     whatever a rounded loss print says."""
@@ -531,6 +587,7 @@ class NumberRules:
         self.nonfinite: list[Metric] = []
         self.nonfinite_names: dict[str, int] = {}
         self.grad_bad: list[Metric] = []
+        self.grad_finite_after = 0  # finite grad norms logged since the last non-finite one
         self.zero_nan: list[Metric] = []
         self.series: dict[str, _Series] = {}
         self.big: list[Metric] = []
@@ -554,12 +611,25 @@ class NumberRules:
         self.recent_vals: deque[float] = deque(maxlen=self.r.flat_repeat_window)
         self.seen_windows: dict[tuple[float, ...], tuple[int, int, str]] = {}
         self.finite_count = 0
+        self.epoch_max: float | None = None
+        self.restarts = 0  # times the epoch went back: runs appended to one log
         # the summary classify reports
         self.records = 0
         self.losses = 0
         self.loss_first = self.loss_min = self.loss_last = None
         self.grad_norm_max = None
         self.loss_scale_last = None
+
+    def _restart(self):
+        """The epoch went back (a second run appended to the same log, or a restart from scratch): the curve
+        rules start over, so the new run's first losses are not read against the old run's minimum."""
+        self.series = {}
+        self.run_vals = []
+        self.recent.clear()
+        self.recent_vals.clear()
+        self.seen_windows = {}
+        self.epoch_max = None
+        self.restarts += 1
 
     def _adversarial(self, name: str) -> bool:
         """One side of a GAN's game (d_loss, g_loss, loss_D): its rises and spikes are the game, not a divergence."""
@@ -576,6 +646,10 @@ class NumberRules:
 
     def feed(self, m: Metric):
         self.records += 1
+        if m.epoch is not None and math.isfinite(m.epoch):
+            if self.epoch_max is not None and m.epoch < self.epoch_max / 2:
+                self._restart()
+            self.epoch_max = m.epoch if self.epoch_max is None else max(self.epoch_max, m.epoch)
         losses: list[tuple[str, float]] = []
         grads: list[tuple[str, float]] = []
         scales: list[float] = []
@@ -613,6 +687,7 @@ class NumberRules:
                 se.feed(m, v)
         for name, v in grads:
             if not math.isfinite(v):
+                self.grad_finite_after = 0
                 if len(self.grad_bad) < MAX_LINES_PER_HIT and (not self.grad_bad or self.grad_bad[-1] is not m):
                     self.grad_bad.append(m)
                 self.nonfinite_names[name] = self.nonfinite_names.get(name, 0) + 1
@@ -621,6 +696,7 @@ class NumberRules:
                     self.big.append(m)
                 self.big_max = max(self.big_max, v)
             if math.isfinite(v):
+                self.grad_finite_after += 1
                 self.grad_norm_max = v if self.grad_norm_max is None else max(self.grad_norm_max, v)
         if m.loss == 0 and m.grad_norm is not None and math.isnan(m.grad_norm) and len(self.zero_nan) < MAX_LINES_PER_HIT:
             self.zero_nan.append(m)
@@ -681,7 +757,8 @@ class NumberRules:
             key = tuple(self.recent_vals)
             i = self.finite_count - r.flat_repeat_window
             have = self.seen_windows.get(key)
-            if have is not None and i >= have[0] + r.flat_repeat_window and not _grads_move(self.recent):
+            if (have is not None and i >= have[0] + r.flat_repeat_window and not _grads_move(self.recent)
+                    and max(_significant_digits(x) for x in key) >= 3):
                 first = Metric(have[1], have[2])
                 self.flat = ([first] + list(self.recent), f"the same {r.flat_repeat_window} losses recur exactly (from line {first.line} "
                                                           f"and again from {self.recent[0].line}): the weights are not changing")
@@ -692,8 +769,10 @@ class NumberRules:
         r = self.r
         if self.flat is None and self.run_vals:
             v = self.run_vals[0].loss
-            if v != 0 and _grads_move(self.run_vals):
-                return  # a loss printed rounded (HF's 'loss': 4.3) beside a grad norm that moves: the weights do change
+            if _grads_move(self.run_vals) or (v != 0 and _significant_digits(v) < 3):
+                # A loss printed rounded ('loss': 4.3, 'Train Loss: 0.0019') repeats while the weights move; a grad
+                # norm that moves beside it says so outright (a GRPO loss logs 0.0 while the policy learns).
+                return
             if len(self.run_vals) >= (r.zero_loss_run if v == 0 else r.flat_identical_run):
                 self.flat = (self.run_vals[:MAX_LINES_PER_HIT], f"the loss stays at exactly {v:g} for {len(self.run_vals)} consecutive logs")
 
@@ -722,7 +801,9 @@ class NumberRules:
 
         grad_names = {k for k in self.nonfinite_names if "norm" in k}
         add("nonfinite-loss", self.nonfinite, f"non-finite (NaN or inf) values in {names(lambda k: k not in grad_names)}")
-        add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
+        if self.grad_finite_after < self.r.nonfinite_recovered_logs or not self.r.nonfinite_recovered_logs or self.nonfinite:
+            # A NaN grad norm the run logged finite ones after (and no NaN loss) was a step fp16 loss scaling skipped.
+            add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
         spikes = [(name, sp) for name, se in self.series.items() for sp in se.lasting_spikes()]
         if spikes:
@@ -855,12 +936,16 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
             marked |= set(log.scan(m))
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
     exc = last_exception(log)
+    threads = Threads()
+    threads.feed(log)
+    bar_done = last_bar_done(log)
     dropped: list[Hit] = []
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table,
-                    tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics][len(metrics) - comp.table.records.went_on_records:])
+                    tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics][len(metrics) - comp.table.records.went_on_records:],
+                    threads=threads, bar_done=bar_done)
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -892,6 +977,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     head: int | None = None
     tail_metrics: list[Metric] = []
     record_lines: deque[int] = deque(maxlen=comp.table.records.went_on_records or 1)
+    threads = Threads()
+    bar_done: int | None = None
     prev: Metric | None = None
     first_line = 1
     tail: list[str] = []
@@ -923,6 +1010,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             markers = _ends(markers + [(i + first_line, log.lines[i]) for i in sorted(marked)])
             exc = last_exception(log) or exc
             head = last_traceback(log) or head
+            threads.feed(log)
+            bar_done = last_bar_done(log) or bar_done
             tail_metrics = []
             table = table_state.table
             for i, clean in enumerate(log.clean):
@@ -949,7 +1038,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     cut_short = head is not None and (exc is None or exc[0] < head)
     return Findings(list(by_id.values()), tail_metrics, markers, exc, cut_short, code, sig_no, stopped_by, dropped, comp.table,
-                    summary=rules.summary(), tail=tail, record_lines=list(record_lines))
+                    summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done)
 
 
 class _TableState:
