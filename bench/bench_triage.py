@@ -28,23 +28,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _server_dir(argv) -> Path:
-    """--server DIR: classify with another checkout's server (its rules and skill tables), e.g. a worktree
-    of the commit before a change, so a before/after figure is measured on the same logs in one run."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--server" in args and args.index("--server") + 1 < len(args):
-        return Path(args[args.index("--server") + 1]).resolve()
-    return ROOT / "server"
-
-
-sys.path.insert(0, str(_server_dir(None)))
-
-from finetune_mcp.triage import classify_text  # noqa: E402
-
 LOGS = ROOT / "tests" / "fixtures" / "logs"
 # Collected and labelled by someone who never saw the classifier's rules, after they were written; measured
-# once, never tuned on (see its index.yaml). Its figure is the honest one for logs the rules have not seen.
+# here only, never tuned on (see its index.yaml). Its figure is the honest one for logs the rules have not seen.
 BLIND = ROOT / "tests" / "fixtures" / "logs-blind"
 CLASSES = ("environment", "divergence", "oom", "none")
 PARTS = ("blind3", "blind4", "heldout", "dev")
@@ -62,7 +48,7 @@ def load_blind() -> list[dict]:
             for c in yaml.safe_load((BLIND / "index.yaml").read_text(encoding="utf-8"))["cases"]]
 
 
-def run_case(case: dict):
+def run_case(case: dict, classify_text):
     text = (case.get("_dir", LOGS) / case["file"]).read_text(encoding="utf-8", errors="replace")
     return classify_text(text, exit_info=case.get("exit_info"), platform=case.get("platform"))
 
@@ -83,8 +69,13 @@ def main(argv=None) -> int:
     ap.add_argument("--part", action="append", choices=PARTS + ("blind",),
                     help="measure only this part (repeatable; blind = both blind batches); the blind set is not even "
                          "opened unless asked for")
-    ap.add_argument("--server", metavar="DIR", help="the server folder whose classifier to run (default: this checkout's)")
+    ap.add_argument("--server", metavar="DIR", type=Path, default=ROOT / "server",
+                    help="the server folder whose classifier (rules and skill tables) to run, e.g. a worktree of the "
+                         "commit before a change, so a before/after pair is measured on the same logs (default: this checkout's)")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(args.server.resolve()))
+    import finetune_mcp
+    from finetune_mcp.triage import classify_text
     wanted = set(args.part or PARTS) | (set(BLIND_PARTS) if "blind" in (args.part or ()) else set())
     if args.misses and args.misses not in wanted:
         ap.error(f"--misses {args.misses} needs --part {args.misses}")
@@ -95,10 +86,9 @@ def main(argv=None) -> int:
     results: dict[str, list[tuple[dict, object]]] = defaultdict(list)
     t0 = time.perf_counter()
     for c in cases:
-        results[c["split"]].append((c, run_case(c)))
+        results[c["split"]].append((c, run_case(c, classify_text)))
     elapsed = time.perf_counter() - t0
 
-    import finetune_mcp
     summary = {"cases": len(cases), "seconds": round(elapsed, 2), "classifier": str(Path(finetune_mcp.__file__).parents[1])}
     if "blind3" in parts:
         audited = [(c, r) for c, r in results["blind3"] if c.get("text_shows") in ("failure", "healthy")]

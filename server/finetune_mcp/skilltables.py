@@ -386,7 +386,7 @@ class RecordRules(Strict):
     kl_rise_factor: float = Field(20.0, gt=1, description="the KL before it was at most kl_max / this")
     adversarial_words: list[str] = Field(default_factory=list, description="words of a loss key that is one side of a GAN's game: no rise/spike rule")
     nonfinite_ignore: list[str] = Field(default_factory=list, description="words of a metric key whose NaN is not the run's numbers (means over nothing yet, counts, timers)")
-    nonfinite_recovered_logs: int = Field(3, ge=0, description="a metric printed finite this many times after its last NaN/inf had a transient, not a divergence (0: never)")
+    nonfinite_recovered_logs: int = Field(0, ge=0, description="a metric printed finite this many times after its last NaN/inf had a transient, not a divergence (0: never)")
 
 
 class FallbackRule(Strict):

@@ -180,7 +180,7 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
             continue
         by_class.setdefault(h.failure_class, []).append(h)
     if outlived:
-        ids = ", ".join(f"{h.id} (last at line {h.last or h.lines[-1][0]})" for h in _order(outlived))
+        ids = ", ".join(f"{h.id} (last at line {h.last_line})" for h in _order(outlived))
         dropped_note += (f" Set aside, the run logged {f.table.records.went_on_records} or more records after them: {ids}.")
     stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped"]
     scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}

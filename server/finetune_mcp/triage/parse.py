@@ -403,7 +403,7 @@ def parse_text(text: str, keys: KeyMap) -> list[Metric]:
     table = MetricTable(keys)
     out: list[Metric] = []
     for i, (line, clean) in enumerate(zip(lines, clean_lines(lines)), 1):
-        if not may_carry(clean, table) or is_setting(clean):
+        if not may_carry(clean, table):
             continue
         m = parse_line(Metric(i, line), keys, clean, table)
         if carries(m):
@@ -417,13 +417,14 @@ _CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "p
 
 
 def may_carry(clean: str, table: "MetricTable") -> bool:
-    """False for a line no reader can take a metric from (most lines of a big log); it ends a table."""
+    """False for a line no reader can take a metric from (most lines of a big log), or one that prints a
+    setting (is_setting); a line with no separator ends a table."""
     if "|" not in clean and "\t" not in clean and "│" not in clean:
         table.columns = None
     elif table.columns is not None:
-        return True  # a row of the table whose header was read
+        return not is_setting(clean)  # a row of the table whose header was read
     low = clean.lower()  # `in` is far cheaper than a case-insensitive alternation on every line of a big log
-    return any(w in low for w in _CARRY_WORDS)  # a header names a metric too
+    return any(w in low for w in _CARRY_WORDS) and not is_setting(clean)  # a header names a metric too
 
 
 def parse_records(records: Iterable[Any], keys: KeyMap) -> list[Metric]:

@@ -294,6 +294,11 @@ class Hit:
     def first(self) -> int:
         return self.lines[0][0] if self.lines else 10**12
 
+    @property
+    def last_line(self) -> int:
+        """The last line it matched on; 0 for a hit that comes from no line (an exit status)."""
+        return self.last or (self.lines[-1][0] if self.lines else 0)
+
 
 @dataclass
 class Findings:
@@ -315,23 +320,25 @@ class Findings:
     threads: Threads = field(default_factory=Threads)
     bar_done: int | None = None  # the last line where a progress bar reached its total
 
+    def _records_after(self, line: int) -> bool:
+        """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
+        need = self.table.records.went_on_records if self.table is not None else 0
+        return bool(need and line and sum(1 for n in self.record_lines if n > line) >= need)
+
     def outlived(self, hit: Hit) -> bool:
         """The run logged went_on_records metric records after the hit's last line: whatever it said (an
         OOM a batch-size finder caught, a tool an optional step lacked), training went on past it."""
-        need = self.table.records.went_on_records if self.table is not None else 0
-        last = hit.last or (hit.lines[-1][0] if hit.lines else 0)
-        return bool(need and last and sum(1 for n in self.record_lines if n > last) >= need)
+        return self._records_after(hit.last_line)
 
     @property
     def went_on(self) -> bool:
         """The run logged went_on_records metric records after its last exception and failure line, or a
         progress bar reached its total after it: what was printed was caught (a warning with a traceback, a
         retried worker, a failed upload, a shell's complaint before the job ran), not fatal."""
-        need = self.table.records.went_on_records if self.table is not None else 0
         last = max(([self.exception[0]] if self.exception else []) + [n for n, _ in self.markers], default=0)
         if last and self.bar_done and self.bar_done > last:
             return True  # a loop ran to its total after the error
-        return bool(need and last and sum(1 for n in self.record_lines if n > last) >= need)
+        return self._records_after(last)
 
     @property
     def failed(self) -> bool:
@@ -944,7 +951,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table,
-                    tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics][len(metrics) - comp.table.records.went_on_records:],
+                    tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
                     threads=threads, bar_done=bar_done)
 
 
@@ -1015,7 +1022,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             tail_metrics = []
             table = table_state.table
             for i, clean in enumerate(log.clean):
-                if not may_carry(clean, table) or is_setting(clean):
+                if not may_carry(clean, table):
                     continue
                 m = table_state.parse(Metric(i + first_line, log.lines[i]), clean)
                 if m is None or (prev is not None and same_record(prev, m)):
