@@ -278,9 +278,43 @@ async def poll_until(s, run_id: str, done, cursor: int = 0, timeout: float = 240
         cursor = r["next_cursor"]
         if done(r, seen) and not r["more"]:
             return seen, r
-        assert time.monotonic() < end, f"timed out polling {run_id}: {r['summary']}"
+        if time.monotonic() >= end:
+            raise AssertionError(f"timed out polling {run_id}: {r['summary']}\n{stuck_report(run_id)}")
         if not r["more"]:
             await anyio.sleep(0.5)
+
+
+def stuck_report(run_id: str) -> str:
+    """What a run that did not finish was doing: every trainer process's Python stacks (train.py dumps them
+    on SIGUSR2, without needing the GIL) and the tail of its output, for the failure message."""
+    import psutil
+
+    from finetune_mcp.launchers.runwrap import run_processes
+
+    rd = run_dir_of(run_id)
+    pids = []
+    try:
+        top = psutil.Process(int((rd / ".trainer.pid").read_text()))
+        for p in [top, *top.children(recursive=True)]:
+            cmd = p.cmdline()
+            if "train.py" in " ".join(cmd) and "torch.distributed.run" not in cmd:  # torchrun itself has no handler
+                pids.append(p.pid)
+                p.send_signal(signal.SIGUSR2)
+    except (OSError, ValueError, psutil.Error):
+        pass
+    time.sleep(2)
+    procs = []  # every process of the run (torchrun too, which dumps nothing): state and kernel wait channel
+    for pid in run_processes(str(rd), os.getpid()):
+        try:
+            p = psutil.Process(pid)
+            wchan = Path(f"/proc/{pid}/wchan").read_text() if Path(f"/proc/{pid}/wchan").exists() else "?"
+            procs.append(f"{pid} {p.status()} wchan={wchan} {' '.join(p.cmdline())[:160]}")
+        except (OSError, psutil.Error):
+            pass
+    out = rd / "logs" / "stdout.log"
+    tail = out.read_text(errors="replace")[-8000:] if out.is_file() else "(no logs/stdout.log)"
+    return (f"trainer processes signalled for stacks: {pids}; exit.json: {(rd / 'exit.json').is_file()}\n"
+            + "\n".join(procs) + f"\n--- stdout.log tail ---\n{tail}")
 
 
 def finished(r, seen):

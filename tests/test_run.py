@@ -15,6 +15,7 @@ import datetime as dt
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -207,6 +208,9 @@ def test_stop_run_and_kill_9_side_by_side(pipeline, monkeypatch):
 
             trainer = psutil.Process(int((run_dir_of(kill_id) / ".trainer.pid").read_text()))
             assert "train.py" in trainer.cmdline()
+            # SIGUSR2 asks a training run where it is: every thread's stack, and the run goes on.
+            psutil.Process(int((run_dir_of(stop_id) / ".trainer.pid").read_text())).send_signal(signal.SIGUSR2)
+            await poll_until(s, stop_id, lambda r, seen: len(seen) >= 2)
             trainer.send_signal(signal.SIGKILL)
 
             stopped = await run_call(s, "stop_run", {"run_id": stop_id, "grace_seconds": 120})
@@ -224,6 +228,10 @@ def test_stop_run_and_kill_9_side_by_side(pipeline, monkeypatch):
     ex = json.loads((run_dir_of(stop_id) / "exit.json").read_text())
     assert (ex["returncode"], ex["signal"], ex["stopped_by"]) == (143, None, "stop_run")
     assert stop_poll["status"] == "stopped"
+    out = (run_dir_of(stop_id) / "logs" / "stdout.log").read_text()
+    assert re.search(r'Current thread 0x[0-9a-f]+ \(most recent call first\):\n(  File .*\n)*  File ".*train\.py", line \d+ in main',
+                     out), out[-3000:]
+    assert re.search(r"\nThread 0x[0-9a-f]+ \(most recent call first\):\n(  File .*\n)*  File .*train\.py\", line \d+ in _loop", out)  # telemetry
     assert "not succeeded" in prune_text and Path(stopped["checkpoint"]).is_dir()
     assert again["status"] == "stopped" and again["signal_sent"] == []
 

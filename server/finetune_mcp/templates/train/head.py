@@ -21,11 +21,14 @@ dataset lives. The run directory is the folder holding config.yaml; this script 
     metrics.json, loss.png
 
 On SIGTERM (or Ctrl-C) it finishes the current step, saves a checkpoint and exits with status 143.
+A run that seems stuck: `kill -USR2 <pid>` writes every thread's Python stack to its output (the
+run's logs/stdout.log) and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import math
@@ -65,6 +68,11 @@ def _on_stop_signal(signum, frame):
 
 signal.signal(signal.SIGTERM, _on_stop_signal)
 signal.signal(signal.SIGINT, _on_stop_signal)
+# Where is it stuck? faulthandler dumps from the signal handler itself, without the GIL, so it answers
+# even when a thread blocked in C++ holds the GIL (a hung collective or process-group teardown).
+# SIGUSR2 rather than SIGUSR1, which Slurm --signal setups and Lightning use for requeueing.
+if hasattr(signal, "SIGUSR2"):
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 # --- telemetry --------------------------------------------------------------------------------

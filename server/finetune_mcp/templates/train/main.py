@@ -180,12 +180,17 @@ class ResumeGuard(TrainerCallback):
 
 
 def _leave_process_group(in_step: bool):
-    """Under DDP, ranks leave together: wait for rank 0's writes, then tear the group down.
+    """Under DDP, ranks leave together: wait for rank 0's writes, then leave without tearing the group down.
 
     A rank that exits with the group still up can abort in gloo's threads ("terminate called
-    without an active exception", SIGABRT) while rank 0 is still writing; one that tears down
-    alone leaves its peer hanging in its own teardown. After a crash nobody waits (a dead peer
-    would never arrive): the launcher ends the others.
+    without an active exception", SIGABRT) while rank 0 is still writing, so after a finished step
+    every rank meets in a barrier first. After a crash nobody waits (a dead peer would never arrive):
+    the launcher ends the others.
+
+    destroy_process_group is not called: once the barrier returns every collective has completed, and
+    __main__ leaves with os._exit, so the kernel closes the sockets. Its teardown is the one step that
+    was seen hanging (a full suite waited 12 minutes on rank 0 inside gloo's destroy, rank 1 gone);
+    bounding it in a helper thread still cost up to 30 s per rank and bought nothing.
     """
     try:
         import torch.distributed as dist
@@ -194,21 +199,12 @@ def _leave_process_group(in_step: bool):
             _Teardown.distributed = True
             if in_step:
                 dist.barrier()
-            # gloo's teardown can wait forever on a peer that already left (seen under load in the test
-            # suite: rank 1 gone, rank 0 asleep in destroy_process_group after writing everything). Give it
-            # a bounded time in a helper thread; __main__ then leaves without waiting on gloo's threads.
-            t = threading.Thread(target=dist.destroy_process_group, name="pg-teardown", daemon=True)
-            t.start()
-            t.join(_Teardown.timeout_s)
-            _Teardown.stuck = t.is_alive()
     except Exception:
         pass
 
 
 class _Teardown:
     distributed = False
-    stuck = False
-    timeout_s = 30.0
 
 
 if __name__ == "__main__":
@@ -218,9 +214,7 @@ if __name__ == "__main__":
         code = e.code
     if _Teardown.distributed:
         # A DDP rank leaves with os._exit once its files are written and flushed: interpreter shutdown would
-        # join gloo's threads (or run their C++ destructors), which is where a stuck teardown hangs or aborts.
-        if _Teardown.stuck:
-            print(f"[train.py] the process group did not tear down within {_Teardown.timeout_s:.0f} s; leaving without it", flush=True)
+        # run the process group's C++ destructors, which is where a teardown hangs or aborts.
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)  # what sys.exit would print for a message
         sys.stdout.flush()
