@@ -11,6 +11,7 @@ from __future__ import annotations
 import py_compile
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -278,7 +279,7 @@ def test_every_method_and_backend_renders_and_byte_compiles(method, backend, tmp
     # standalone: only the training stack, pyyaml and the standard library
     imported = set(re.findall(r"^\s*(?:from|import)\s+([A-Za-z_][\w]*)", text, re.M))
     stack = {"torch", "transformers", "trl", "peft", "datasets", "yaml", "unsloth", "PIL", "psutil", "pynvml", "tensorboard", "matplotlib"}
-    stdlib = {"__future__", "argparse", "hashlib", "json", "math", "os", "re", "shutil", "signal", "sys", "threading", "time", "pathlib"}
+    stdlib = set(sys.stdlib_module_names)
     # and, for the SFT family, masking.py: the declared byte-for-byte copy of common/masking.py written beside it
     beside = {"masking"} if render.needs_masking(method) else set()
     assert imported <= stack | stdlib | beside, imported - stack - stdlib - beside
