@@ -394,3 +394,47 @@ def test_a_second_run_appended_to_the_log_starts_the_curve_rules_over():
     # Without the epoch going back, the same numbers are a run that came apart.
     flat = [Metric(i + 1, f"line {i + 1}", loss=m.loss, epoch=1.0 + i / 10) for i, m in enumerate(first + second)]
     assert {"loss-rise", "loss-spike"} & set(_ids(flat))
+
+
+def test_a_flat_loss_beside_a_loss_that_moves_or_at_a_converged_floor_is_not_stuck():
+    n = RULES.flat_identical_run
+    # One term pinned while the other loss of the same line falls: the weights move.
+    pinned = [Metric(i, "x", step=i, loss=0.0144, named={"loss:train l1 loss": 0.80 - i / 1000}) for i in range(1, n + 2)]
+    assert "flat-loss" not in _ids(pinned)
+    both = [Metric(i, "x", step=i, loss=0.0144, named={"loss:train l1 loss": 0.8015}) for i in range(1, n + 2)]
+    assert "flat-loss" in _ids(both)
+    # Flat at the run's lowest after falling more than flat_converged_factor x: converged.
+    fell = [0.167, 0.09, 0.05, 0.03, 0.02] + [0.0138] * (n + 1)
+    assert RULES.flat_converged_factor and fell[0] >= RULES.flat_converged_factor * fell[-1]
+    assert "flat-loss" not in _ids(_losses(fell))
+    # Flat where it started (it never learned), or above where it had been (it came apart to a constant): stuck.
+    assert "flat-loss" in _ids(_losses([0.0138] * (n + 1)))
+    assert "flat-loss" in _ids(_losses([0.167, 0.09, 0.05, 0.03] + [0.0693] * (n + 1)))
+
+
+def test_a_window_recurring_at_the_same_steps_is_a_replay_at_later_steps_stuck_weights():
+    w = RULES.flat_repeat_window
+    vals = [0.8082, 0.6930, 0.7121, 0.6987, 0.6850][:w]
+    replay = [Metric(i + 1, "x", step=50 * (i % w + 1), loss=v) for i, v in enumerate(vals + vals)]
+    assert "flat-loss" not in _ids(replay)  # the relaunch printed the same steps' losses again (same seed)
+    stuck = [Metric(i + 1, "x", step=50 * (i + 1), loss=v) for i, v in enumerate(vals + vals)]
+    assert "flat-loss" in _ids(stuck)
+
+
+def test_wandb_run_summary_is_no_record():
+    summary = "wandb: Run summary:\nwandb:     train l1 loss 0.78153\nwandb:        train_loss 0.01375\nwandb: \n"
+    steps = "".join(f"Epoch [{i}/650], Train Loss: {0.2 - i / 100:.4f}\n" for i in range(1, 8))
+    assert summary_records(summary + steps) == 7
+    assert summary_records("wandb: setting up run 246sz0mq\n" + steps) == 7
+
+
+def summary_records(text: str) -> int:
+    from finetune_mcp.triage.parse import parse_text
+
+    return sum(1 for m in parse_text(text, compiled().keys) if m.loss is not None)
+
+
+def test_a_kl_term_past_the_magnitude_limit_is_broken_numbers():
+    lim = RULES.loss_abs_max
+    assert "loss-magnitude" in _ids([Metric(i, "x", named={"kl:kl loss": v}) for i, v in enumerate([13.0, 4e9, lim * 3e7], 1)])
+    assert "loss-magnitude" not in _ids([Metric(i, "x", named={"kl:kl loss": v}) for i, v in enumerate([13.0, 40.0, 25.0], 1)])

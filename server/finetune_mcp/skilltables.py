@@ -376,6 +376,8 @@ class RecordRules(Strict):
     flat_identical_run: int = Field(ge=2)
     flat_repeat_window: int = Field(ge=2)
     zero_loss_run: int = Field(ge=2, description="this many logged losses of exactly 0 in a row: nothing is trained")
+    flat_converged_factor: float = Field(0.0, ge=0, description="a loss flat at the lowest value of its run, this x below "
+                                         "its highest, is a converged run, not a stuck one (0: never)")
     grad_norm_max: float = Field(gt=0)
     loss_scale_floor: float = Field(gt=0, description="a dynamic loss scale cut to this or below has collapsed")
     scale_halving_run: int = Field(3, ge=2, description="this many halvings of the loss scale in a row, once settled, is fp16 overflow")

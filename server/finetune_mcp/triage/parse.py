@@ -42,8 +42,15 @@ _SETTING = re.compile(r"\w \.{3,} \S|\[default: ")
 _LONE_INF = re.compile(r"^\s*['\"]?[\w.\-]+['\"]?\s*[:=]\s*['\"]?inf(?:inity)?['\"]?,?\s*$", re.I)
 
 
+# wandb's end-of-run "Run summary:" block, `wandb:   train_loss 0.01375`: the last values restated, not a
+# record (a stdout/stderr interleave can even print it before the first step).
+_WANDB_SUMMARY = re.compile(r"^wandb:\s+[\w./\- ]+?\s+" + _NUM + r"\s*$", re.I)
+
+
 def is_setting(clean: str) -> bool:
-    """True for a (cleaned) line that prints a setting, not a measurement (see _SETTING)."""
+    """True for a (cleaned) line that prints a setting or a run's summary, not a measurement (see _SETTING)."""
+    if clean.startswith("wandb:"):
+        return bool(_WANDB_SUMMARY.match(clean))
     if "..." not in clean and "[default" not in clean and "inf" not in clean and "INF" not in clean and "Inf" not in clean:
         return False  # most lines: a few substring tests, no regex
     return bool(_SETTING.search(clean) or _LONE_INF.match(clean))

@@ -481,9 +481,22 @@ def _significant_digits(v: float) -> int:
 
 
 def _grads_move(records) -> bool:
-    """The records log a grad norm that is positive and not the same every time: the weights are moving,
-    whatever a rounded loss print says."""
-    return len({x.grad_norm for x in records if _finite(x.grad_norm) and x.grad_norm > 0}) > 1
+    """The records say the weights are moving, whatever the loss print says: a grad norm that is positive and
+    not the same every time, or another loss logged beside it (`Train L1 Loss`, `value_loss`) that changes
+    from record to record. A loss pinned at one value while its neighbour falls is one term at its floor."""
+    if len({x.grad_norm for x in records if _finite(x.grad_norm) and x.grad_norm > 0}) > 1:
+        return True
+    others: dict[str, set[float]] = {}
+    for x in records:
+        for k, v in x.named.items():
+            if k.startswith("loss:") and _finite(v):
+                others.setdefault(k, set()).add(v)
+    return any(len(vals) > 1 for vals in others.values())
+
+
+def _positions(records) -> tuple:
+    """Where each record sits in its run: (step, epoch), None where the line names neither."""
+    return tuple((x.step, x.epoch) if x.step is not None or x.epoch is not None else None for x in records)
 
 
 def number_hits(metrics: list[Metric], comp: Compiled) -> list[Hit]:
@@ -616,8 +629,10 @@ class NumberRules:
         self.flat: tuple[list[Metric], str] | None = None
         self.recent: deque[Metric] = deque(maxlen=self.r.flat_repeat_window)
         self.recent_vals: deque[float] = deque(maxlen=self.r.flat_repeat_window)
-        self.seen_windows: dict[tuple[float, ...], tuple[int, int, str]] = {}
+        self.seen_windows: dict[tuple[float, ...], tuple[int, int, str, tuple]] = {}
         self.finite_count = 0
+        self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
+        self.run_low: float | None = None
         self.epoch_max: float | None = None
         self.restarts = 0  # times the epoch went back: runs appended to one log
         # the summary classify reports
@@ -635,6 +650,7 @@ class NumberRules:
         self.recent.clear()
         self.recent_vals.clear()
         self.seen_windows = {}
+        self.run_high = self.run_low = None
         self.epoch_max = None
         self.restarts += 1
 
@@ -678,6 +694,8 @@ class NumberRules:
                     self._bad(m, name)
                 elif kind == "kl":
                     self._kl(m, name, v)
+                    if abs(v) >= self.r.loss_abs_max and len(self.huge) < MAX_LINES_PER_HIT:
+                        self.huge.append((m, name, v))  # a VAE's KL_loss at 3e15 is broken numbers like any loss
             elif kind == "grad_norm":
                 grads.append((name, v))
             elif kind == "loss_scale" and m.loss_scale is None:
@@ -749,9 +767,17 @@ class NumberRules:
         self.scale_max = v if self.scale_max is None else max(self.scale_max, v)
         self.loss_scale_last = v
 
+    def _converged(self, values) -> bool:
+        """Flat at the lowest loss of the run, flat_converged_factor x below its highest: converged, not stuck."""
+        f = self.r.flat_converged_factor
+        top = max(values)
+        return f > 0 and self.run_low is not None and 0 < top <= self.run_low and self.run_high >= f * top
+
     def _flat(self, m: Metric):
         r = self.r
         self.finite_count += 1
+        self.run_high = m.loss if self.run_high is None else max(self.run_high, m.loss)
+        self.run_low = m.loss if self.run_low is None else min(self.run_low, m.loss)
         if self.flat is not None:
             return
         if self.run_vals and self.run_vals[0].loss != m.loss:
@@ -764,19 +790,22 @@ class NumberRules:
             key = tuple(self.recent_vals)
             i = self.finite_count - r.flat_repeat_window
             have = self.seen_windows.get(key)
-            if (have is not None and i >= have[0] + r.flat_repeat_window and not _grads_move(self.recent)
-                    and max(_significant_digits(x) for x in key) >= 3):
+            # The same losses at the same step numbers are the run replayed (a relaunch with the same seed,
+            # appended to the log), not weights that stopped changing, which repeat at later steps.
+            replay = have is not None and any(a is not None and a == b for a, b in zip(have[3], _positions(self.recent)))
+            if (have is not None and i >= have[0] + r.flat_repeat_window and not replay and not _grads_move(self.recent)
+                    and max(_significant_digits(x) for x in key) >= 3 and not self._converged(key)):
                 first = Metric(have[1], have[2])
                 self.flat = ([first] + list(self.recent), f"the same {r.flat_repeat_window} losses recur exactly (from line {first.line} "
                                                           f"and again from {self.recent[0].line}): the weights are not changing")
             elif have is None and len(self.seen_windows) < MAX_WINDOWS:
-                self.seen_windows[key] = (i, self.recent[0].line, self.recent[0].text)
+                self.seen_windows[key] = (i, self.recent[0].line, self.recent[0].text, _positions(self.recent))
 
     def _close_run(self):
         r = self.r
         if self.flat is None and self.run_vals:
             v = self.run_vals[0].loss
-            if _grads_move(self.run_vals) or (v != 0 and _significant_digits(v) < 3):
+            if _grads_move(self.run_vals) or (v != 0 and _significant_digits(v) < 3) or self._converged([v]):
                 # A loss printed rounded ('loss': 4.3, 'Train Loss: 0.0019') repeats while the weights move; a grad
                 # norm that moves beside it says so outright (a GRPO loss logs 0.0 while the policy learns).
                 return
