@@ -36,7 +36,9 @@ REQUIRED_FORMATS = {"hf-trainer", "accelerate-torchrun", "deepspeed", "megatron"
 
 
 def _text(name: str) -> str:
-    return (LOGS / name).read_text(encoding="utf-8")
+    # As triage_failure reads a file: real logs hold bytes that are not UTF-8 (a GBK table, a progress bar
+    # cut mid-character where two nodes' output interleaves).
+    return (LOGS / name).read_text(encoding="utf-8", errors="replace")
 
 
 def _classify(case: dict):
