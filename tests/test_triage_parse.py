@@ -138,7 +138,7 @@ def test_clean_lines_is_clean_line_on_every_corpus_log():
     from finetune_mcp.triage.parse import clean_line, clean_lines, split_lines
 
     for p in LOGS.glob("*.log"):
-        lines = split_lines(p.read_text(encoding="utf-8"))
+        lines = split_lines(p.read_text(encoding="utf-8", errors="replace"))
         assert clean_lines(lines) == [clean_line(ln) for ln in lines], p.name
 
 
