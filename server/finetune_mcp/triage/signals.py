@@ -805,12 +805,13 @@ class NumberRules:
         r = self.r
         if self.flat is None and self.run_vals:
             v = self.run_vals[0].loss
+            if len(self.run_vals) < (r.zero_loss_run if v == 0 else r.flat_identical_run):
+                return  # too short to be flat (most runs are one value long): nothing more to check
             if _grads_move(self.run_vals) or (v != 0 and _significant_digits(v) < 3) or self._converged([v]):
                 # A loss printed rounded ('loss': 4.3, 'Train Loss: 0.0019') repeats while the weights move; a grad
                 # norm that moves beside it says so outright (a GRPO loss logs 0.0 while the policy learns).
                 return
-            if len(self.run_vals) >= (r.zero_loss_run if v == 0 else r.flat_identical_run):
-                self.flat = (self.run_vals[:MAX_LINES_PER_HIT], f"the loss stays at exactly {v:g} for {len(self.run_vals)} consecutive logs")
+            self.flat = (self.run_vals[:MAX_LINES_PER_HIT], f"the loss stays at exactly {v:g} for {len(self.run_vals)} consecutive logs")
 
     def summary(self) -> dict:
         out: dict = {"records": self.records, "losses": self.losses}
