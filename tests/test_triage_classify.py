@@ -31,10 +31,14 @@ def test_highest_priority_wins_and_the_rest_is_the_runner_up():
 
 
 def test_never_silent_a_failure_with_no_signal_gets_a_weak_class():
-    exc = (2, "KeyError: 'text'")
+    exc = (2, "ValueError: too many values to unpack (expected 2)")
     c = decide(_findings(markers=[(1, "Traceback (most recent call last):")], exception=exc))
     assert c.failure_class == "environment" and c.signals[0] == "fallback-setup"
     assert c.confidence < 0.5 and c.evidence[-1] == exc and c.missing_evidence
+    # A failed lookup is the data's or the config's, whatever key it names (a NaN label, loss_scale).
+    for key in ("'text'", "nan", "'loss_scale'"):
+        c = decide(_findings(exception=(2, f"KeyError: {key}")))
+        assert (c.failure_class, c.signals[0]) == ("environment", "fallback-lookup"), key
     # By exception type: a memory error reads oom, a floating-point error divergence.
     assert decide(_findings(exception=(1, "MemoryError"))).failure_class == "oom"
     assert decide(_findings(exception=(1, "FloatingPointError: Loss became infinite"))).failure_class == "divergence"

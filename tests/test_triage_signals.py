@@ -438,3 +438,54 @@ def test_a_kl_term_past_the_magnitude_limit_is_broken_numbers():
     lim = RULES.loss_abs_max
     assert "loss-magnitude" in _ids([Metric(i, "x", named={"kl:kl loss": v}) for i, v in enumerate([13.0, 4e9, lim * 3e7], 1)])
     assert "loss-magnitude" not in _ids([Metric(i, "x", named={"kl:kl loss": v}) for i, v in enumerate([13.0, 40.0, 25.0], 1)])
+
+
+def test_the_end_of_one_train_call_or_a_replay_starts_the_curve_over():
+    sft = [Metric(i, "x", loss=v, epoch=i / 2) for i, v in enumerate([2.4, 1.6, 1.0, 0.7, 0.5, 0.4, 0.38], 1)]
+    summary = Metric(8, "{'train_runtime': 861.4, 'train_loss': 0.79, 'epoch': 8.33}", loss=0.79, epoch=8.33)
+    ipo = [Metric(9 + i, "x", loss=v, epoch=5.0 * (i + 1)) for i, v in enumerate([24.6, 24.5, 24.3, 24.1, 23.9])]
+    assert not {"loss-rise", "loss-spike"} & set(_ids(sft + [summary] + ipo))  # SFT, then an IPO stage
+    assert {"loss-rise", "loss-spike"} & set(_ids(sft + ipo))  # without the summary: one run that came apart
+    nan_summary = Metric(8, "{'train_runtime': 9.0, 'train_loss': nan}", loss=float("nan"))
+    assert "nonfinite-loss" in _ids(sft + [nan_summary])
+    # The same losses at the same steps printed again (a notebook cell run twice): a replay, not a rise.
+    pre = [6.4668, 5.7228, 2.6397, 1.9819]
+    once = [Metric(i + 1, "x", step=20 * (i + 1), loss=v) for i, v in enumerate(pre)]
+    twice = once + [Metric(5 + i, "x", step=20 * (i + 1), loss=v) for i, v in enumerate(pre)]
+    assert not {"loss-rise", "loss-spike"} & set(_ids(twice))
+    # Each epoch repeating the last one's per-step losses is stuck weights: still flat-loss.
+    w = RULES.flat_repeat_window
+    per_epoch = [0.9741, 1.3742, 1.2390, 0.9670, 1.0386, 1.1681][:w]
+    stuck = [Metric(e * w + s + 1, "x", step=s, epoch=e + 1, loss=v) for e in range(2) for s, v in enumerate(per_epoch)]
+    assert "flat-loss" in _ids(stuck)
+
+
+def test_a_new_runs_kl_is_read_from_its_own_start():
+    first = [Metric(i, "x", epoch=1 + i / 10, named={"kl:kl loss": v}) for i, v in enumerate([1584.9, 40.0, 2.0, 0.034], 1)]
+    second = [Metric(5 + i, "x", epoch=0.1 * (i + 1), named={"kl:kl loss": v}) for i, v in enumerate([1584.9, 900.0])]
+    assert "kl-blowup" not in _ids(first + second)
+    same_run = [Metric(5 + i, "x", epoch=2 + i, named={"kl:kl loss": v}) for i, v in enumerate([1584.9, 900.0])]
+    assert "kl-blowup" in _ids(first + same_run)
+
+
+def test_a_noisy_per_batch_curve_must_hold_its_rise():
+    n = RULES.rise_smooth_after * 2
+    noise = [0.03, 0.48, 0.05, 0.2, 0.023, 0.09, 0.37, 0.06, 0.12]
+    values = [0.3] + [noise[i % len(noise)] for i in range(n)]
+    values[n // 2: n // 2 + 9] = [0.02, 0.025, 0.03, 0.02, 0.03, 0.025, 0.028, 0.022, 0.03]  # one lucky stretch
+    values[-4:] = [0.47, 0.45, 0.48, 0.46]  # a few bad batches at the end lift one median, not all of the last
+    assert "loss-rise" not in _ids(_losses(values))
+    risen = values[: n // 2 + 9] + [0.5 + (i % 3) / 10 for i in range(3 * RULES.rise_window)]  # a level that held
+    assert "loss-rise" in _ids(_losses(risen))
+
+
+def test_an_exception_message_or_an_unbounded_score_is_no_nan_metric():
+    assert "nonfinite-metric" not in _find_ids("Traceback (most recent call last):\n  File \"e.py\", line 3\nKeyError: nan\n")
+    assert "nonfinite-metric" not in _find_ids("[Eval Summary] Epoch: 1, SDR: -4.3230, SIR: inf, SAR: -4.3230, PSNR: inf\n")
+    assert "nonfinite-metric" in _find_ids("[Eval Summary] Epoch: 1, recon: nan\n")  # the run's numbers still count
+    from finetune_mcp.triage import classify_text
+
+    lookup = classify_text("Traceback (most recent call last):\n  File \"e.py\", line 3, in <module>\nKeyError: nan\n")
+    assert (lookup.failure_class, lookup.signals) == ("environment", ["fallback-lookup"]), lookup  # a lookup, not numbers
+    overflow = classify_text("Traceback (most recent call last):\n  File \"e.py\", line 3, in <module>\nFloatingPointError: nan\n")
+    assert overflow.failure_class == "divergence"

@@ -378,6 +378,7 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
 _NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\[\]]*){0,3})['\"]?\s*[:=]\s*['\"]?"
                              r"(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
 _NONFINITE_WORD = re.compile(r"[:=]\s*['\"]?[-+]?(?:nan|inf)", re.I)
+_EXCEPTION_NAME = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Warning)")
 # Slots NumberRules checks itself (a NaN loss is nonfinite-loss, not this rule's).
 _CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
 
@@ -395,6 +396,8 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
         if is_setting(clean):
             continue
         for m in _NONFINITE_PAIR.finditer(clean):
+            if _EXCEPTION_NAME.fullmatch(m.group("key")):
+                continue  # `KeyError: nan` is an exception's message (pandas looked up a NaN label), no metric
             key = normalise_key(m.group("key"))
             words = key.split()
             if not words or any(w in comp.nonfinite_ignore for w in words):
@@ -515,7 +518,8 @@ class _Series:
     spike_recover_logs logs (one bad batch), and only if it rose at least spike_abs_min (a loss printed
     to four decimals around 0.0001 is noise, whatever the ratio). A long curve (rise_smooth_after values
     or more) is read for a rise by its rolling median over rise_window values and the value it started
-    at: one lucky batch is not a level the run reached, nor one unlucky batch the level it came back to."""
+    at: one lucky batch is not a level the run reached, nor one unlucky batch the level it came back to; the
+    level it ended at is the lowest of its last rise_window medians (a level that held)."""
 
     def __init__(self, rules):
         self.rules = rules
@@ -532,6 +536,7 @@ class _Series:
         self.smooth_low: tuple[float, Metric] | None = None  # the lowest rolling median before the last one
         self.smooth_last: float | None = None
         self.smooth_at: tuple[float, Metric] | None = None
+        self.smooth_tail: deque[float] = deque(maxlen=rules.rise_window)  # the last rolling medians
 
     def feed(self, m: Metric, v: float):
         r = self.rules
@@ -558,6 +563,7 @@ class _Series:
             w, n = self.sorted_recent, len(self.sorted_recent)
             self.smooth_last = w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
             self.smooth_at = (self.smooth_last, self.recent[n // 2][1])
+            self.smooth_tail.append(self.smooth_last)
 
     def _settle(self, v: float):
         """Age the pending spikes by one log: one the loss came back from is dropped, one that lasted is kept."""
@@ -582,7 +588,9 @@ class _Series:
         if self.count <= r.rise_min_history or self.low is None:
             return None
         if self.count >= r.rise_smooth_after and self.smooth_last is not None:
-            (low_v, low_m), last_v = self.smooth_low, self.smooth_last
+            # The level the curve ends at is one its rolling median held for rise_window logs: a few bad batches
+            # at the end of a noisy per-batch curve lift one median, not all of the last ones.
+            (low_v, low_m), last_v = self.smooth_low, min(self.smooth_tail)
         else:
             (low_v, low_m), last_v = self.low, self.last_value
         if low_v > 0 and last_v >= r.rise_factor * low_v and last_v >= r.rise_back_to * self.first:
@@ -633,6 +641,7 @@ class NumberRules:
         self.finite_count = 0
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
         self.run_low: float | None = None
+        self.points: set[tuple] = set()  # (epoch, step, loss) of this run's records, to see a replay
         self.epoch_max: float | None = None
         self.restarts = 0  # times the epoch went back: runs appended to one log
         # the summary classify reports
@@ -651,6 +660,8 @@ class NumberRules:
         self.recent_vals.clear()
         self.seen_windows = {}
         self.run_high = self.run_low = None
+        self.points = set()
+        self.kl_low = None  # a new run's KL starts over too
         self.epoch_max = None
         self.restarts += 1
 
@@ -669,10 +680,27 @@ class NumberRules:
 
     def feed(self, m: Metric):
         self.records += 1
+        if "train_runtime" in m.text:
+            # HF Trainer's end-of-training summary ({'train_runtime': ..., 'train_loss': <the mean>}): the run's
+            # average restated, and the end of one train() call - a later stage (SFT, then DPO) or a relaunch
+            # starts its curve afresh. A NaN in it still counts.
+            if m.loss is not None and not math.isfinite(m.loss):
+                self._bad(m, "loss")
+            self._restart()
+            return
         if m.epoch is not None and math.isfinite(m.epoch):
             if self.epoch_max is not None and m.epoch < self.epoch_max / 2:
                 self._restart()
             self.epoch_max = m.epoch if self.epoch_max is None else max(self.epoch_max, m.epoch)
+        if m.step is not None and _finite(m.loss) and _significant_digits(m.loss) >= 3:
+            # The same loss at the same step of the same epoch, printed again: the run replayed from its start (a
+            # notebook cell run twice, a relaunch with the same seed appended to the log). Its curve starts over.
+            # (Each epoch repeating the last one's per-step losses is stuck weights: flat-loss's, not this.)
+            point = (m.epoch, m.step, m.loss)
+            if point in self.points:
+                self._restart()
+            if len(self.points) < MAX_WINDOWS:
+                self.points.add(point)
         losses: list[tuple[str, float]] = []
         grads: list[tuple[str, float]] = []
         scales: list[float] = []
