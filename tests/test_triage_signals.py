@@ -489,3 +489,14 @@ def test_an_exception_message_or_an_unbounded_score_is_no_nan_metric():
     assert (lookup.failure_class, lookup.signals) == ("environment", ["fallback-lookup"]), lookup  # a lookup, not numbers
     overflow = classify_text("Traceback (most recent call last):\n  File \"e.py\", line 3, in <module>\nFloatingPointError: nan\n")
     assert overflow.failure_class == "divergence"
+
+
+def test_a_run_that_came_apart_before_its_end_of_training_summary_is_not_forgotten():
+    summary = Metric(20, "{'train_runtime': 12.0, 'train_loss': 1.9, 'epoch': 3.0}", loss=1.9, epoch=3.0)
+    rose = [Metric(i, "x", loss=v, epoch=i / 10) for i, v in enumerate([2.0, 1.0, 0.5, 0.3, 0.25, 1.6, 2.2, 2.5], 1)]
+    assert "loss-rise" in _ids(rose + [summary])  # the run's own rise stands after its summary closed it
+    n = RULES.flat_identical_run
+    stuck = [Metric(i, "x", loss=6.90776, epoch=i / 10) for i in range(1, n + 2)]
+    assert "flat-loss" in _ids(stuck + [summary])  # and a flat stretch it ended on
+    kl = [Metric(i, "x", epoch=i / 10, named={"kl:approx kl": v}) for i, v in enumerate([0.01, 0.02, 3.5], 1)]
+    assert "kl-blowup" in _ids(kl + [summary])  # a blow-up already seen keeps the KL it rose from

@@ -618,6 +618,7 @@ class NumberRules:
         self.grad_finite_after = 0  # finite grad norms logged since the last non-finite one
         self.zero_nan: list[Metric] = []
         self.series: dict[str, _Series] = {}
+        self.closed_series: list[tuple[str, _Series]] = []  # the series of runs a restart closed
         self.big: list[Metric] = []
         self.big_max = 0.0
         self.huge: list[tuple[Metric, str, float]] = []
@@ -643,7 +644,7 @@ class NumberRules:
         self.run_low: float | None = None
         self.points: set[tuple] = set()  # (epoch, step, loss) of this run's records, to see a replay
         self.epoch_max: float | None = None
-        self.restarts = 0  # times the epoch went back: runs appended to one log
+        self.restarts = 0  # times a new run began: runs appended to one log (see _restart)
         # the summary classify reports
         self.records = 0
         self.losses = 0
@@ -652,8 +653,14 @@ class NumberRules:
         self.loss_scale_last = None
 
     def _restart(self):
-        """The epoch went back (a second run appended to the same log, or a restart from scratch): the curve
-        rules start over, so the new run's first losses are not read against the old run's minimum."""
+        """A new run began - the epoch went back, HF's end-of-training summary closed a train() call, or a record
+        repeated an earlier one exactly (a replay): the curve rules start over, so the new run's first losses are
+        not read against the old run's minimum. What the old run already showed (a flat loss, a KL blow-up, a
+        NaN) stays."""
+        self._close_run()  # a flat stretch the old run ended on is judged as it stands
+        for item in self.series.items():  # and its own lasting spikes and rise, against its own curve
+            if len(self.closed_series) < MAX_CLOSED_SERIES:
+                self.closed_series.append(item)
         self.series = {}
         self.run_vals = []
         self.recent.clear()
@@ -661,7 +668,8 @@ class NumberRules:
         self.seen_windows = {}
         self.run_high = self.run_low = None
         self.points = set()
-        self.kl_low = None  # a new run's KL starts over too
+        if self.kl_blow is None:
+            self.kl_low = None  # a new run's KL starts over too (a blow-up already seen keeps the KL it rose from)
         self.epoch_max = None
         self.restarts += 1
 
@@ -870,13 +878,14 @@ class NumberRules:
             # A NaN grad norm the run logged finite ones after (and no NaN loss) was a step fp16 loss scaling skipped.
             add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
-        spikes = [(name, sp) for name, se in self.series.items() for sp in se.lasting_spikes()]
+        every = self.closed_series + list(self.series.items())
+        spikes = [(name, sp) for name, se in every for sp in se.lasting_spikes()]
         if spikes:
             name, (m, med) = min(spikes, key=lambda x: x[1][0].line)
             what = "loss" if name == "loss" else name
             add("loss-spike", sorted({sp[0].line: sp[0] for _, sp in spikes}.values(), key=lambda x: x.line),
                 f"{what} {_value(m, name):g} at line {m.line} is {_value(m, name) / med:.1f}x the running median {med:g}")
-        for name, se in self.series.items():
+        for name, se in every:
             rise = se.rise()
             if rise:
                 low_m, low_v, last_m, last_v = rise
@@ -908,6 +917,8 @@ class NumberRules:
 
 # Windows remembered for the recurring-losses rule: a repeat further apart than this many logs goes unseen.
 MAX_WINDOWS = 20_000
+# Loss series of earlier runs in one log kept for their own spikes and rise (a log of more runs keeps the first).
+MAX_CLOSED_SERIES = 64
 
 
 def _scale_of(m: Metric) -> float:
