@@ -483,7 +483,7 @@ def _significant_digits(v: float) -> int:
     return len(digits.rstrip("0")) or 1
 
 
-def _grads_move(records) -> bool:
+def _weights_move(records) -> bool:
     """The records say the weights are moving, whatever the loss print says: a grad norm that is positive and
     not the same every time, or another loss logged beside it (`Train L1 Loss`, `value_loss`) that changes
     from record to record. A loss pinned at one value while its neighbour falls is one term at its floor."""
@@ -495,11 +495,6 @@ def _grads_move(records) -> bool:
             if k.startswith("loss:") and _finite(v):
                 others.setdefault(k, set()).add(v)
     return any(len(vals) > 1 for vals in others.values())
-
-
-def _positions(records) -> tuple:
-    """Where each record sits in its run: (step, epoch), None where the line names neither."""
-    return tuple((x.step, x.epoch) if x.step is not None or x.epoch is not None else None for x in records)
 
 
 def number_hits(metrics: list[Metric], comp: Compiled) -> list[Hit]:
@@ -560,9 +555,8 @@ class _Series:
         if len(self.recent) == self.recent.maxlen:
             if self.smooth_last is not None and self.smooth_last < self.smooth_low[0]:
                 self.smooth_low = self.smooth_at
-            w, n = self.sorted_recent, len(self.sorted_recent)
-            self.smooth_last = w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
-            self.smooth_at = (self.smooth_last, self.recent[n // 2][1])
+            self.smooth_last = _median_of_sorted(self.sorted_recent)
+            self.smooth_at = (self.smooth_last, self.recent[len(self.recent) // 2][1])
             self.smooth_tail.append(self.smooth_last)
 
     def _settle(self, v: float):
@@ -599,7 +593,10 @@ class _Series:
 
 
 def _median(values) -> float:
-    w = sorted(values)
+    return _median_of_sorted(sorted(values))
+
+
+def _median_of_sorted(w) -> float:
     n = len(w)
     return w[n // 2] if n % 2 else (w[n // 2 - 1] + w[n // 2]) / 2
 
@@ -638,7 +635,7 @@ class NumberRules:
         self.flat: tuple[list[Metric], str] | None = None
         self.recent: deque[Metric] = deque(maxlen=self.r.flat_repeat_window)
         self.recent_vals: deque[float] = deque(maxlen=self.r.flat_repeat_window)
-        self.seen_windows: dict[tuple[float, ...], tuple[int, int, str, tuple]] = {}
+        self.seen_windows: dict[tuple[float, ...], tuple[int, int, str]] = {}
         self.finite_count = 0
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
         self.run_low: float | None = None
@@ -700,12 +697,12 @@ class NumberRules:
             if self.epoch_max is not None and m.epoch < self.epoch_max / 2:
                 self._restart()
             self.epoch_max = m.epoch if self.epoch_max is None else max(self.epoch_max, m.epoch)
-        if m.step is not None and _finite(m.loss) and _significant_digits(m.loss) >= 3:
+        if m.step is not None and _finite(m.loss):
             # The same loss at the same step of the same epoch, printed again: the run replayed from its start (a
             # notebook cell run twice, a relaunch with the same seed appended to the log). Its curve starts over.
             # (Each epoch repeating the last one's per-step losses is stuck weights: flat-loss's, not this.)
             point = (m.epoch, m.step, m.loss)
-            if point in self.points:
+            if point in self.points and _significant_digits(m.loss) >= 3:
                 self._restart()
             if len(self.points) < MAX_WINDOWS:
                 self.points.add(point)
@@ -826,16 +823,14 @@ class NumberRules:
             key = tuple(self.recent_vals)
             i = self.finite_count - r.flat_repeat_window
             have = self.seen_windows.get(key)
-            # The same losses at the same step numbers are the run replayed (a relaunch with the same seed,
-            # appended to the log), not weights that stopped changing, which repeat at later steps.
-            replay = have is not None and any(a is not None and a == b for a, b in zip(have[3], _positions(self.recent)))
-            if (have is not None and i >= have[0] + r.flat_repeat_window and not replay and not _grads_move(self.recent)
+            # (The same losses at the same steps are a replay, which feed() already restarted the run for.)
+            if (have is not None and i >= have[0] + r.flat_repeat_window and not _weights_move(self.recent)
                     and max(_significant_digits(x) for x in key) >= 3 and not self._converged(key)):
                 first = Metric(have[1], have[2])
                 self.flat = ([first] + list(self.recent), f"the same {r.flat_repeat_window} losses recur exactly (from line {first.line} "
                                                           f"and again from {self.recent[0].line}): the weights are not changing")
             elif have is None and len(self.seen_windows) < MAX_WINDOWS:
-                self.seen_windows[key] = (i, self.recent[0].line, self.recent[0].text, _positions(self.recent))
+                self.seen_windows[key] = (i, self.recent[0].line, self.recent[0].text)
 
     def _close_run(self):
         r = self.r
@@ -843,7 +838,7 @@ class NumberRules:
             v = self.run_vals[0].loss
             if len(self.run_vals) < (r.zero_loss_run if v == 0 else r.flat_identical_run):
                 return  # too short to be flat (most runs are one value long): nothing more to check
-            if _grads_move(self.run_vals) or (v != 0 and _significant_digits(v) < 3) or self._converged([v]):
+            if _weights_move(self.run_vals) or (v != 0 and _significant_digits(v) < 3) or self._converged([v]):
                 # A loss printed rounded ('loss': 4.3, 'Train Loss: 0.0019') repeats while the weights move; a grad
                 # norm that moves beside it says so outright (a GRPO loss logs 0.0 while the policy learns).
                 return
