@@ -292,25 +292,23 @@ def stuck_report(run_id: str) -> str:
     from finetune_mcp.launchers.runwrap import run_processes
 
     rd = run_dir_of(run_id)
-    pids = []
-    try:
-        top = psutil.Process(int((rd / ".trainer.pid").read_text()))
-        for p in [top, *top.children(recursive=True)]:
-            cmd = p.cmdline()
-            if "train.py" in " ".join(cmd) and "torch.distributed.run" not in cmd:  # torchrun itself has no handler
-                pids.append(p.pid)
-                p.send_signal(signal.SIGUSR2)
-    except (OSError, ValueError, psutil.Error):
-        pass
-    time.sleep(2)
-    procs = []  # every process of the run (torchrun too, which dumps nothing): state and kernel wait channel
+    run = []  # every process of the run, by the marker in its environment (torchrun and its ranks alike)
     for pid in run_processes(str(rd), os.getpid()):
-        try:
+        with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
-            wchan = Path(f"/proc/{pid}/wchan").read_text() if Path(f"/proc/{pid}/wchan").exists() else "?"
-            procs.append(f"{pid} {p.status()} wchan={wchan} {' '.join(p.cmdline())[:160]}")
-        except (OSError, psutil.Error):
-            pass
+            run.append((p, p.cmdline()))
+    pids = []
+    for p, cmd in run:
+        if "train.py" in " ".join(cmd) and "torch.distributed.run" not in cmd:  # torchrun itself has no handler
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGUSR2)
+                pids.append(p.pid)
+    time.sleep(2)
+    procs = []  # and what each was doing: state and kernel wait channel
+    for p, cmd in run:
+        with contextlib.suppress(OSError, psutil.Error):
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text() if Path(f"/proc/{p.pid}/wchan").exists() else "?"
+            procs.append(f"{p.pid} {p.status()} wchan={wchan} {' '.join(cmd)[:160]}")
     out = rd / "logs" / "stdout.log"
     tail = out.read_text(errors="replace")[-8000:] if out.is_file() else "(no logs/stdout.log)"
     return (f"trainer processes signalled for stacks: {pids}; exit.json: {(rd / 'exit.json').is_file()}\n"

@@ -69,7 +69,7 @@ def _on_stop_signal(signum, frame):
 signal.signal(signal.SIGTERM, _on_stop_signal)
 signal.signal(signal.SIGINT, _on_stop_signal)
 # Where is it stuck? faulthandler dumps from the signal handler itself, without the GIL, so it answers
-# even when a thread blocked in C++ holds the GIL (a hung collective or process-group teardown).
+# even while the main thread is blocked in C++ (a hung collective).
 # SIGUSR2 rather than SIGUSR1, which Slurm --signal setups and Lightning use for requeueing.
 if hasattr(signal, "SIGUSR2"):
     faulthandler.register(signal.SIGUSR2, all_threads=True)

@@ -195,16 +195,16 @@ def _leave_process_group(in_step: bool):
     try:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            _Teardown.distributed = True
-            if in_step:
-                dist.barrier()
+        if dist.is_available() and dist.is_initialized() and in_step:
+            dist.barrier()
     except Exception:
         pass
 
 
-class _Teardown:
-    distributed = False
+def _distributed() -> bool:
+    """This process is a rank of a process group (left up on purpose: see _leave_process_group)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 if __name__ == "__main__":
@@ -212,7 +212,7 @@ if __name__ == "__main__":
         code = main()
     except SystemExit as e:
         code = e.code
-    if _Teardown.distributed:
+    if _distributed():
         # A DDP rank leaves with os._exit once its files are written and flushed: interpreter shutdown would
         # run the process group's C++ destructors, which is where a teardown hangs or aborts.
         if code is not None and not isinstance(code, int):
