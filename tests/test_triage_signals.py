@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp.triage.parse import Metric
+from finetune_mcp.triage.parse import KeyMap, Metric, parse_line
 from finetune_mcp.triage.signals import compiled, exit_fields, find, load_signal_table, number_hits
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
@@ -442,11 +442,13 @@ def test_a_kl_term_past_the_magnitude_limit_is_broken_numbers():
 
 def test_the_end_of_one_train_call_or_a_replay_starts_the_curve_over():
     sft = [Metric(i, "x", loss=v, epoch=i / 2) for i, v in enumerate([2.4, 1.6, 1.0, 0.7, 0.5, 0.4, 0.38], 1)]
-    summary = Metric(8, "{'train_runtime': 861.4, 'train_loss': 0.79, 'epoch': 8.33}", loss=0.79, epoch=8.33)
+    keys = KeyMap.from_table(load_signal_table().metric_keys)
+    summary = parse_line(Metric(8, ""), keys, "{'train_runtime': 861.4, 'train_loss': 0.79, 'epoch': 8.33}")
+    assert (summary.run_end, summary.loss, summary.epoch) == (861.4, 0.79, 8.33)
     ipo = [Metric(9 + i, "x", loss=v, epoch=5.0 * (i + 1)) for i, v in enumerate([24.6, 24.5, 24.3, 24.1, 23.9])]
     assert not {"loss-rise", "loss-spike"} & set(_ids(sft + [summary] + ipo))  # SFT, then an IPO stage
     assert {"loss-rise", "loss-spike"} & set(_ids(sft + ipo))  # without the summary: one run that came apart
-    nan_summary = Metric(8, "{'train_runtime': 9.0, 'train_loss': nan}", loss=float("nan"))
+    nan_summary = parse_line(Metric(8, ""), keys, "{'train_runtime': 9.0, 'train_loss': nan}")
     assert "nonfinite-loss" in _ids(sft + [nan_summary])
     # The same losses at the same steps printed again (a notebook cell run twice): a replay, not a rise.
     pre = [6.4668, 5.7228, 2.6397, 1.9819]

@@ -346,11 +346,12 @@ class MetricKeys(Strict):
     step: list[str] = Field(min_length=1)
     loss_scale: list[str] = Field(min_length=1)
     epoch: list[str] = Field(default_factory=list, description="keys of the epoch counter (a run logged again from the start goes back)")
+    run_end: list[str] = Field(default_factory=list, description="keys only an end-of-training summary prints (one train() call ended)")
 
     @_model_validator(mode="after")
     def _disjoint(self):
         seen: dict[str, str] = {}
-        for field in ("loss", "eval_loss", "grad_norm", "lr", "step", "loss_scale", "epoch"):
+        for field in ("loss", "eval_loss", "grad_norm", "lr", "step", "loss_scale", "epoch", "run_end"):
             for k in getattr(self, field):
                 if k != k.strip().lower() or "_" in k or "/" in k:
                     raise ValueError(f"metric key {k!r} must be written normalised (lower case, spaces for _ / - .)")

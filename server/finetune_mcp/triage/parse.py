@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
-FIELDS = ("step", "loss", "eval_loss", "grad_norm", "lr", "loss_scale", "epoch")
+FIELDS = ("step", "loss", "eval_loss", "grad_norm", "lr", "loss_scale", "epoch", "run_end")
 
 _NUM = r"[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
 # A key (letters first, may hold spaces, / . - and brackets), a separator (= or :, or only spaces),
@@ -158,6 +158,7 @@ class Metric:
     lr: float | None = None
     loss_scale: float | None = None
     epoch: float | None = None  # HF's fractional epoch, Lightning's "Epoch 3": a run that starts over goes back
+    run_end: float | None = None  # a key only an end-of-training summary prints (HF's train_runtime): a train() call ended
     scale_cut: bool = False  # the loss scale was cut on this line (not merely reported)
     source: str = ""  # which reader found it: dict, json, pairs, table, scale-cut, tqdm
     named: dict[str, float] = field(default_factory=dict)  # normalised key -> value, for keys key_kind names

@@ -685,7 +685,7 @@ class NumberRules:
 
     def feed(self, m: Metric):
         self.records += 1
-        if "train_runtime" in m.text:
+        if m.run_end is not None:
             # HF Trainer's end-of-training summary ({'train_runtime': ..., 'train_loss': <the mean>}): the run's
             # average restated, and the end of one train() call - a later stage (SFT, then DPO) or a relaunch
             # starts its curve afresh. A NaN in it still counts.
