@@ -299,7 +299,8 @@ def stuck_report(run_id: str) -> str:
             run.append((p, p.cmdline()))
     pids = []
     for p, cmd in run:
-        if "train.py" in " ".join(cmd) and "torch.distributed.run" not in cmd:  # torchrun itself has no handler
+        # Only a process that catches it: torchrun, or a rank not yet past its imports, would die of it.
+        if "train.py" in " ".join(cmd) and _catches(p.pid, signal.SIGUSR2):
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGUSR2)
                 pids.append(p.pid)
@@ -313,6 +314,15 @@ def stuck_report(run_id: str) -> str:
     tail = out.read_text(errors="replace")[-8000:] if out.is_file() else "(no logs/stdout.log)"
     return (f"trainer processes signalled for stacks: {pids}; exit.json: {(rd / 'exit.json').is_file()}\n"
             + "\n".join(procs) + f"\n--- stdout.log tail ---\n{tail}")
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether a process has a handler for `sig` (SigCgt in /proc/<pid>/status): one without dies of it."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path(f"/proc/{pid}/status").read_text()
+        mask = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]
+        return bool(int(mask, 16) >> (sig - 1) & 1)
+    return False
 
 
 def finished(r, seen):
