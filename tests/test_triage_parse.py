@@ -108,6 +108,16 @@ def test_tqdm_redraws_are_deduplicated_by_step():
     assert dedupe([a, b]) == [a]
 
 
+def test_a_count_out_of_a_total_is_the_step_and_the_loss_keeps_its_key():
+    lines = _lines("none--dev7f-015.log")  # a two-phase run: "Loss" in pre-training, "Avg Loss" per epoch
+    pre = _one(lines[15])
+    assert (pre.step, pre.loss, pre.loss_key) == (20.0, 6.4668, "loss")  # "Pre-training iteration 20/100, Loss: 6.4668"
+    main = _one(lines[27])
+    assert (main.epoch, main.loss, main.loss_key) == (1.0, 51136.5554, "avg loss")  # "Epoch 1/10, Avg Loss: ..."
+    assert _one("Step [40/500] lr 0.001 loss 1.25").step == 40.0 and _one("batch: 7/120 loss=0.5").step == 7.0
+    assert _one("epoch 3 loss 0.5 batch_size 32/64").step is None  # a setting is no count
+
+
 def test_records_and_numbers():
     out = parse_records([{"step": 1, "loss": None}, {"step": 2, "loss": 1.5, "lr": 1e-4}, "junk"], KEYS)
     assert math.isnan(out[0].loss) and out[1].loss == 1.5 and len(out) == 2  # poll writes NaN as null

@@ -462,6 +462,18 @@ def test_the_end_of_one_train_call_or_a_replay_starts_the_curve_over():
     assert "flat-loss" in _ids(stuck)
 
 
+def test_losses_under_two_keys_are_two_curves():
+    keys = KeyMap.from_table(load_signal_table().metric_keys)
+    pre = [f"Pre-training iteration {20 * (i + 1)}/100, Loss: {v}" for i, v in enumerate([6.4668, 5.7228, 2.0397, 1.9819, 2.5954])]
+    main = [f"Epoch {e}/10, Avg Loss: {v}, Time: 0.5m" for e, v in [(1, 51136.5554), (5, 26167.1351), (10, 23974.3964)]]
+    ms = [parse_line(Metric(i, ""), keys, line) for i, line in enumerate(pre + main, 1)]
+    assert not {"loss-rise", "loss-spike"} & set(_ids(ms))  # a per-iteration loss, then a per-epoch sum: each falls
+    one_key = [parse_line(Metric(i, ""), keys, line.replace("Avg Loss", "Loss")) for i, line in enumerate(pre + main, 1)]
+    assert {"loss-rise", "loss-spike"} <= set(_ids(one_key))  # the same numbers under one key: a run that blew up
+    # The whole pre-training printed twice (two processes into one file): a replay at the same counted steps.
+    assert "flat-loss" not in _ids([parse_line(Metric(i, ""), keys, line) for i, line in enumerate(pre + pre, 1)])
+
+
 def test_a_new_runs_kl_is_read_from_its_own_start():
     first = [Metric(i, "x", epoch=1 + i / 10, named={"kl:kl loss": v}) for i, v in enumerate([1584.9, 40.0, 2.0, 0.034], 1)]
     second = [Metric(5 + i, "x", epoch=0.1 * (i + 1), named={"kl:kl loss": v}) for i, v in enumerate([1584.9, 900.0])]

@@ -28,6 +28,8 @@ _NUM = r"[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-
 _PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?\s*(?:[:=]\s*['\"]?\[?|\s+)\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
 _SPLIT = re.compile(r"\s*(?:\||│|,|;|\t| - )\s*")
 _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
+# "Pre-training iteration 20/100", "Step [40/500]", "batch: 7/120": a count out of a total after a step word.
+_COUNTED_STEP = re.compile(r"\b(?:step|iter|iteration|batch)\s*[:=]?\s*\[?\s*(\d+)\s*/\s*\d+", re.I)
 # DeepSpeed "Attempted loss scale: 16, reducing to 8", "Reducing dynamic loss scale from 2 to 1", apex
 # "reducing loss scale to 0.5": the scale after the cut.
 _SCALE_CUT = re.compile(r"(?:reducing to|reducing loss scale to|dynamic loss scale from \S+ to)\s+(" + _NUM + r")", re.I)
@@ -162,6 +164,7 @@ class Metric:
     scale_cut: bool = False  # the loss scale was cut on this line (not merely reported)
     source: str = ""  # which reader found it: dict, json, pairs, table, scale-cut, tqdm
     named: dict[str, float] = field(default_factory=dict)  # normalised key -> value, for keys key_kind names
+    loss_key: str = ""  # the key the loss was logged under (normalised): 'loss' and 'avg loss' are two series
 
     def has(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -315,6 +318,8 @@ def _assign(m: Metric, keys: KeyMap, key: str, value: Any) -> bool:
     if num is None:
         return False
     setattr(m, name, num)
+    if name == "loss":
+        m.loss_key = normalise_key(key)
     return True
 
 
@@ -391,7 +396,7 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
         m.source = "pairs"
     if m.step is None and (m.loss is not None or m.grad_norm is not None or m.eval_loss is not None or m.named) and "/" in line:
-        t = _TQDM_STEP.search(line)
+        t = _TQDM_STEP.search(line) or _COUNTED_STEP.search(line)
         if t:
             m.step = float(t.group(1))
     return m

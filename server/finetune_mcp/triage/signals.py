@@ -739,9 +739,11 @@ class NumberRules:
             if not math.isfinite(v):
                 self._bad(m, name)
             elif (v >= 0 or name == "loss") and not self._adversarial(name):
-                se = self.series.get(name)
+                skey = name if name != "loss" else m.loss_key or "loss"
+                se = self.series.get(skey)
                 if se is None:
-                    se = self.series[name] = _Series(self.r)
+                    se = self.series[skey] = _Series(self.r)
+                    se.name = name
                 se.feed(m, v)
         for name, v in grads:
             if not math.isfinite(v):
@@ -873,7 +875,7 @@ class NumberRules:
             # A NaN grad norm the run logged finite ones after (and no NaN loss) was a step fp16 loss scaling skipped.
             add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
-        every = self.closed_series + list(self.series.items())
+        every = [(se.name, se) for _, se in self.closed_series + list(self.series.items())]
         spikes = [(name, sp) for name, se in every for sp in se.lasting_spikes()]
         if spikes:
             name, (m, med) = min(spikes, key=lambda x: x[1][0].line)
