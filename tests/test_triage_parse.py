@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp.triage.parse import KeyMap, Metric, dedupe, normalise_key, parse_line, parse_records, parse_text, to_number
+from finetune_mcp.triage.parse import (KeyMap, Metric, carries, clean_line, dedupe, normalise_key, parse_line, parse_records, parse_text,
+                                        to_number)
 from finetune_mcp.triage.signals import load_signal_table
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
@@ -116,6 +117,16 @@ def test_a_count_out_of_a_total_is_the_step_and_the_loss_keeps_its_key():
     assert (main.epoch, main.loss, main.loss_key) == (1.0, 51136.5554, "avg loss")  # "Epoch 1/10, Avg Loss: ..."
     assert _one("Step [40/500] lr 0.001 loss 1.25").step == 40.0 and _one("batch: 7/120 loss=0.5").step == 7.0
     assert _one("epoch 3 loss 0.5 batch_size 32/64").step is None  # a setting is no count
+
+
+def test_a_notebooks_interrupt_ends_a_run_and_wandb_names_a_dropped_records_step():
+    lines = _lines("none--dev7f-017.log")  # a notebook cell stopped by hand, then training resumed under wandb
+    stop = _one(clean_line(lines[461]))  # "\x1b[0;31mKeyboardInterrupt\x1b[0m: " - the traceback's last line
+    assert stop.run_end is not None and carries(stop)
+    assert _one(clean_line(lines[202])).run_end is not None  # its first line, "KeyboardInterrupt   Traceback (most recent call last)"
+    assert _one("    raise KeyboardInterrupt()").run_end is None  # a frame that quotes it is no stop
+    dropped = _one(clean_line(lines[574]))  # wandb: WARNING (User provided step: 883 is less than current step: 884. Dropping entry: {...})
+    assert (dropped.step, dropped.loss) == (883.0, 2.6767020225524902)
 
 
 def test_records_and_numbers():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp.triage.parse import KeyMap, Metric, parse_line
+from finetune_mcp.triage.parse import KeyMap, Metric, parse_line, parse_text
 from finetune_mcp.triage.signals import compiled, exit_fields, find, load_signal_table, number_hits
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
@@ -472,6 +472,21 @@ def test_losses_under_two_keys_are_two_curves():
     assert {"loss-rise", "loss-spike"} <= set(_ids(one_key))  # the same numbers under one key: a run that blew up
     # The whole pre-training printed twice (two processes into one file): a replay at the same counted steps.
     assert "flat-loss" not in _ids([parse_line(Metric(i, ""), keys, line) for i, line in enumerate(pre + pre, 1)])
+
+
+def test_a_run_resumed_after_an_interrupt_is_read_from_its_own_start():
+    keys = KeyMap.from_table(load_signal_table().metric_keys)
+    plateau = [f"Step {s} -- Train loss: {0.012 - (s - 860) * 1e-5:.6f}, Train Acc: 1.0" for s in range(860, 884)]
+    resumed = [f"Step {883 + i} -- Train loss: {v}, Train Acc: 0.6" for i, v in enumerate([2.6767020225524902, 1.62, 1.557, 1.577, 1.397, 1.167, 1.006, 0.98, 0.91, 0.83, 0.7, 0.56, 0.4, 0.3])]
+    dropped = ("wandb: WARNING (User provided step: 883 is less than current step: 884. Dropping entry: "
+               "{'train_loss': 2.6767020225524902, 'train_acc': 0.5537109375})")
+
+    def ids(lines):
+        return _ids(parse_text("\n".join(lines), keys))
+
+    assert "loss-spike" in ids(plateau + resumed)  # one curve: the jump from 0.012 to 2.68 did not come back in time
+    assert "loss-spike" not in ids(plateau + ["\x1b[0;31mKeyboardInterrupt\x1b[0m: "] + resumed + [dropped])
+    assert "loss-spike" in ids(plateau + ["KeyboardInterrupt: "] + resumed + ["Step 897 -- Train loss: 25.0"])  # its own spike counts
 
 
 def test_a_new_runs_kl_is_read_from_its_own_start():

@@ -28,6 +28,9 @@ _NUM = r"[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-
 _PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?\s*(?:[:=]\s*['\"]?\[?|\s+)\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
 _SPLIT = re.compile(r"\s*(?:\||│|,|;|\t| - )\s*")
 _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
+# wandb refusing a record logged with a step behind its own: "(User provided step: 883 is less than current step:
+# 884. Dropping entry: {...})" - the record's step is the one it names (often a record already printed).
+_WANDB_DROPPED = re.compile(r"User provided step: (\d+) is less than current step")
 # "Pre-training iteration 20/100", "Step [40/500]", "batch: 7/120": a count out of a total after a step word.
 _COUNTED_STEP = re.compile(r"\b(?:step|iter|iteration|batch)\s*[:=]?\s*\[?\s*(\d+)\s*/\s*\d+", re.I)
 # DeepSpeed "Attempted loss scale: 16, reducing to 8", "Reducing dynamic loss scale from 2 to 1", apex
@@ -386,6 +389,9 @@ class MetricTable:
 
 def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = None) -> Metric:
     """Fill `m` from one (cleaned) line with every reader that applies; the first value found per field wins."""
+    if "KeyboardInterrupt" in line and _INTERRUPTED.match(line):
+        m.run_end = 0.0  # the run was stopped by hand: what a notebook logs after it is a resumed or new run
+        return m
     if _from_dicts(m, keys, line):
         m.source = "dict"
     if table is not None and table.feed(m, line):
@@ -395,8 +401,10 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
         m.loss_scale, m.scale_cut, m.source = to_number(cut.group(1)), True, m.source or "scale-cut"
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
         m.source = "pairs"
-    if m.step is None and (m.loss is not None or m.grad_norm is not None or m.eval_loss is not None or m.named) and "/" in line:
-        t = _TQDM_STEP.search(line) or _COUNTED_STEP.search(line)
+    if m.step is None and (m.loss is not None or m.grad_norm is not None or m.eval_loss is not None or m.named):
+        t = (_TQDM_STEP.search(line) or _COUNTED_STEP.search(line)) if "/" in line else None
+        if t is None and "Dropping entry" in line:
+            t = _WANDB_DROPPED.search(line)
         if t:
             m.step = float(t.group(1))
     return m
@@ -404,7 +412,7 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
 
 def carries(m: Metric) -> bool:
     return bool(m.named or m.loss is not None or m.eval_loss is not None or m.grad_norm is not None or m.lr is not None
-                or m.loss_scale is not None)
+                or m.loss_scale is not None or m.run_end is not None)
 
 
 def parse_text(text: str, keys: KeyMap) -> list[Metric]:
@@ -426,7 +434,10 @@ def parse_text(text: str, keys: KeyMap) -> list[Metric]:
 
 # Outside a table, a line carries a metric only if it names one, holds a dict or cuts the loss scale
 # (the words of _METRIC_WORD, as plain substrings).
-_CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "{", "educ")
+_CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "{", "educ",
+                "keyboardinterrupt")
+# Python's exception line for Ctrl-C (or a notebook's stop button), as the traceback ends it.
+_INTERRUPTED = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b")
 
 
 def may_carry(clean: str, table: "MetricTable") -> bool:
