@@ -977,14 +977,14 @@ def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: li
 TAIL_LINES = 8
 
 
-def _merge_hits(by_id: dict[str, Hit], hits) -> None:
-    """Add hits to by_id; a rule already hit keeps one Hit with the lines of both."""
+def _merge_hits(by_id: dict[str, Hit], hits, most: int | None = None) -> None:
+    """Add hits to by_id; a rule already hit keeps one Hit with the lines of both (the first `most` of them)."""
     for h in hits:
         have = by_id.get(h.id)
         if have is None:
             by_id[h.id] = h
         else:
-            have.lines = sorted(set(have.lines) | set(h.lines))
+            have.lines = sorted(set(have.lines) | set(h.lines))[:most]
             have.detail = have.detail or h.detail
             have.last = max(have.last, h.last)
 
@@ -1068,14 +1068,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 continue
             chunk, carry = data[:cut + 1], data[cut + 1:]
             log = Log(lines=split_lines(chunk.decode("utf-8", errors="replace")), first_line=first_line)
-            for k, h in [*word_hits(log, comp).items(), *((h.id, h) for h in nonfinite_metric_hits(log, comp))]:
-                have = by_id.get(k)
-                if have is None:
-                    by_id[k] = h
-                else:
-                    have.last = max(have.last, h.last)
-                    if len(have.lines) < MAX_LINES_PER_HIT * 4:
-                        have.lines.extend(h.lines[:MAX_LINES_PER_HIT * 4 - len(have.lines)])
+            _merge_hits(by_id, [*word_hits(log, comp).values(), *nonfinite_metric_hits(log, comp)], most=MAX_LINES_PER_HIT * 4)
             marked: set[int] = set()
             for m in comp.markers:
                 if log.may_match(m, comp):
