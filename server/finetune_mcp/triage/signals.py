@@ -641,7 +641,6 @@ class NumberRules:
         self.run_low: float | None = None
         self.points: set[tuple] = set()  # (epoch, step, loss) of this run's records, to see a replay
         self.epoch_max: float | None = None
-        self.restarts = 0  # times a new run began: runs appended to one log (see _restart)
         # the summary classify reports
         self.records = 0
         self.losses = 0
@@ -668,7 +667,6 @@ class NumberRules:
         if self.kl_blow is None:
             self.kl_low = None  # a new run's KL starts over too (a blow-up already seen keeps the KL it rose from)
         self.epoch_max = None
-        self.restarts += 1
 
     def _adversarial(self, name: str) -> bool:
         """One side of a GAN's game (d_loss, g_loss, loss_D): its rises and spikes are the game, not a divergence."""
