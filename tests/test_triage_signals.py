@@ -403,6 +403,14 @@ def test_a_flat_loss_beside_a_loss_that_moves_or_at_a_converged_floor_is_not_stu
     assert "flat-loss" not in _ids(pinned)
     both = [Metric(i, "x", step=i, loss=0.0144, named={"loss:train l1 loss": 0.8015}) for i in range(1, n + 2)]
     assert "flat-loss" in _ids(both)
+    # A training loss printed to four decimals reaches 0.0000 while the validation loss beside it keeps moving
+    # (an overfitting classifier): the print rounds, the weights move. With the validation loss still too: stuck.
+    keys = KeyMap.from_table(load_signal_table().metric_keys)
+    curve = [(0.0144, 0.5636), (0.0010, 0.6650), (0.0001, 0.7100)] + [(0.0, 0.7264 + i / 400) for i in range(n + 3)]
+    rounded = parse_text("\n".join(f"Epoch {e}/60: train loss {a:.4f}, val loss {b:.4f}" for e, (a, b) in enumerate(curve, 20)), keys)
+    assert "flat-loss" not in _ids(rounded)
+    frozen = parse_text("\n".join(f"Epoch {e}/60: train loss {a:.4f}, val loss 0.7264" for e, (a, _) in enumerate(curve, 20)), keys)
+    assert "flat-loss" in _ids(frozen)
     # Flat at the run's lowest after falling more than flat_converged_factor x: converged.
     fell = [0.167, 0.09, 0.05, 0.03, 0.02] + [0.0138] * (n + 1)
     assert RULES.flat_converged_factor and fell[0] >= RULES.flat_converged_factor * fell[-1]

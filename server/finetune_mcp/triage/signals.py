@@ -485,14 +485,17 @@ def _significant_digits(v: float) -> int:
 
 def _weights_move(records) -> bool:
     """The records say the weights are moving, whatever the loss print says: a grad norm that is positive and
-    not the same every time, or another loss logged beside it (`Train L1 Loss`, `value_loss`) that changes
-    from record to record. A loss pinned at one value while its neighbour falls is one term at its floor."""
+    not the same every time, or another loss logged beside it (`Train L1 Loss`, `value_loss`, or a validation
+    loss: the same weights score the same held-out data the same) that changes from record to record. A loss
+    pinned at one value while its neighbour moves is one term at its floor, or a print rounding it to 0.0000."""
     if len({x.grad_norm for x in records if _finite(x.grad_norm) and x.grad_norm > 0}) > 1:
+        return True
+    if len({x.eval_loss for x in records if _finite(x.eval_loss)}) > 1:
         return True
     others: dict[str, set[float]] = {}
     for x in records:
         for k, v in x.named.items():
-            if k.startswith("loss:") and _finite(v):
+            if k.startswith(("loss:", "eval_loss:")) and _finite(v):
                 others.setdefault(k, set()).add(v)
     return any(len(vals) > 1 for vals in others.values())
 
