@@ -513,7 +513,7 @@ class _Series:
     bounded state, fed one value at a time, so a log of any length is checked in one pass.
 
     A spike counts unless the loss comes back under spike_recover_factor x the median before it within
-    spike_recover_logs logs (one bad batch), and only if it rose at least spike_abs_min (a loss printed
+    spike_recover_logs logs (an episode the curve came back from), and only if it rose at least spike_abs_min (a loss printed
     to four decimals around 0.0001 is noise, whatever the ratio). A long curve (rise_smooth_after values
     or more) is read for a rise by its rolling median over rise_window values and the value it started
     at: one lucky batch is not a level the run reached, nor one unlucky batch the level it came back to; the
@@ -568,7 +568,7 @@ class _Series:
         still = []
         for m, med, age in self.pending:
             if v <= r.spike_recover_factor * med:
-                continue  # recovered: one bad batch
+                continue  # recovered: an episode, not a divergence
             if age + 1 >= r.spike_recover_logs:
                 if len(self.spikes) < MAX_LINES_PER_HIT:
                     self.spikes.append((m, med))
