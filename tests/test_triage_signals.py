@@ -64,6 +64,13 @@ def test_spike_against_the_rolling_median():
     assert "loss-spike" in _ids(_losses([2.0, 1.9, 1.8, 1.7, high] + [high] * n + [back, 1.6]))
     assert "loss-spike" not in _ids(_losses([2.0, 1.9, 1.8, 1.7, 1.8 * k * 0.9]))
     assert "loss-spike" not in _ids(_losses([40.0, 2.0, 1.9]))  # a high first loss is a start
+    # A curve that came back from spikes before (a PPO value loss after large returns) ending on a smaller one:
+    # more of the same. Ending on a higher one than it ever came back from still counts.
+    base = [6.0, 7.0, 6.5, 5.8, 6.3]
+    noisy = base + [1253.6] + base + [1061.7] + base
+    assert "loss-spike" not in _ids(_losses(noisy + [187.3]))
+    assert "loss-spike" in _ids(_losses(noisy + [6500.0]))
+    assert "loss-spike" in _ids(_losses(base * 2 + [187.3]))
     # A loss printed to four decimals near zero (a GRPO actor loss): a ratio of noise is no spike.
     tiny = RULES.spike_abs_min / (k * 2)
     assert "loss-spike" not in _ids(_losses([tiny / 10] * 4 + [tiny]))

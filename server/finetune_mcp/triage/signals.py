@@ -523,7 +523,8 @@ class _Series:
         self.rules = rules
         self.window: deque[float] = deque(maxlen=rules.spike_window)
         self.spikes: list[tuple[Metric, float]] = []
-        self.pending: list[tuple[Metric, float, int]] = []  # spikes not yet known to last: (metric, median, logs since)
+        self.pending: list[tuple[Metric, float, int, float]] = []  # spikes not yet known to last: (metric, median, logs since, ratio)
+        self.came_back_from = 0.0  # the highest spike (as a ratio to its median) this curve came back from
         self.first: float | None = None
         self.count = 0
         self.low: tuple[float, Metric] | None = None  # the minimum before the last value
@@ -542,7 +543,7 @@ class _Series:
         if len(self.window) >= r.spike_min_history and v > r.spike_factor * min(self.window):
             med = _median(self.window)
             if med > 0 and v > r.spike_factor * med and v - med >= r.spike_abs_min:
-                self.pending.append((m, med, 0))
+                self.pending.append((m, med, 0, v / med))
         self.window.append(v)
         if self.last is not None and (self.low is None or self.last_value < self.low[0]):
             self.low = (self.last_value, self.last)
@@ -566,19 +567,22 @@ class _Series:
         """Age the pending spikes by one log: one the loss came back from is dropped, one that lasted is kept."""
         r = self.rules
         still = []
-        for m, med, age in self.pending:
+        for m, med, age, ratio in self.pending:
             if v <= r.spike_recover_factor * med:
+                self.came_back_from = max(self.came_back_from, ratio)
                 continue  # recovered: an episode, not a divergence
             if age + 1 >= r.spike_recover_logs:
                 if len(self.spikes) < MAX_LINES_PER_HIT:
                     self.spikes.append((m, med))
             else:
-                still.append((m, med, age + 1))
+                still.append((m, med, age + 1, ratio))
         self.pending = still
 
     def lasting_spikes(self) -> list[tuple[Metric, float]]:
-        """The spikes that did not recover, a spike the log ends on included (nothing shows it recovered)."""
-        return (self.spikes + [(m, med) for m, med, _ in self.pending])[:MAX_LINES_PER_HIT]
+        """The spikes that did not recover, and a spike the log ends on (nothing shows it recovered) unless this
+        curve already came back from one as high: a noisy curve (a PPO value loss) ending on more of the same."""
+        ending = [(m, med) for m, med, _, ratio in self.pending if ratio > self.came_back_from]
+        return (self.spikes + ending)[:MAX_LINES_PER_HIT]
 
     def rise(self) -> tuple[Metric, float, Metric, float] | None:
         r = self.rules
