@@ -48,9 +48,9 @@ def load_blind() -> list[dict]:
             for c in yaml.safe_load((BLIND / "index.yaml").read_text(encoding="utf-8"))["cases"]]
 
 
-def run_case(case: dict, classify_text):
-    text = (case.get("_dir", LOGS) / case["file"]).read_text(encoding="utf-8", errors="replace")
-    return classify_text(text, exit_info=case.get("exit_info"), platform=case.get("platform"))
+def run_case(case: dict, classify_file):
+    """One log, read as triage_failure reads a file (its encoding from its first bytes, bad bytes replaced)."""
+    return classify_file(case.get("_dir", LOGS) / case["file"], exit_info=case.get("exit_info"), platform=case.get("platform"))
 
 
 def matrix(rows: list[tuple[str, str]]) -> str:
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sys.path.insert(0, str(args.server.resolve()))
     import finetune_mcp
-    from finetune_mcp.triage import classify_text
+    from finetune_mcp.triage import classify_file
     wanted = set(args.part or PARTS) | (set(BLIND_PARTS) if "blind" in (args.part or ()) else set())
     if args.misses and args.misses not in wanted:
         ap.error(f"--misses {args.misses} needs --part {args.misses}")
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     results: dict[str, list[tuple[dict, object]]] = defaultdict(list)
     t0 = time.perf_counter()
     for c in cases:
-        results[c["split"]].append((c, run_case(c, classify_text)))
+        results[c["split"]].append((c, run_case(c, classify_file)))
     elapsed = time.perf_counter() - t0
 
     summary = {"cases": len(cases), "seconds": round(elapsed, 2), "classifier": str(Path(finetune_mcp.__file__).parents[1])}

@@ -23,7 +23,7 @@ import yaml
 import finetune_mcp.triage as triage
 from finetune_mcp.common.errors import BadInput
 from finetune_mcp.triage import classify_records, classify_text, load_signal_table
-from finetune_mcp.triage.parse import to_number
+from finetune_mcp.triage.parse import decode_log, to_number
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 INDEX = yaml.safe_load((LOGS / "index.yaml").read_text(encoding="utf-8"))["cases"]
@@ -36,9 +36,9 @@ REQUIRED_FORMATS = {"hf-trainer", "accelerate-torchrun", "deepspeed", "megatron"
 
 
 def _text(name: str) -> str:
-    # As triage_failure reads a file: real logs hold bytes that are not UTF-8 (a GBK table, a progress bar
-    # cut mid-character where two nodes' output interleaves).
-    return (LOGS / name).read_text(encoding="utf-8", errors="replace")
+    # As triage_failure reads a file: its encoding from its first bytes (PowerShell writes UTF-16), and bytes
+    # that are not of it replaced (a GBK table, a progress bar cut mid-character where two nodes' output interleaves).
+    return decode_log((LOGS / name).read_bytes())
 
 
 def _classify(case: dict):

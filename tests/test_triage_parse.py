@@ -129,6 +129,21 @@ def test_a_notebooks_interrupt_ends_a_run_and_wandb_names_a_dropped_records_step
     assert (dropped.step, dropped.loss) == (883.0, 2.6767020225524902)
 
 
+def test_a_log_is_read_in_the_encoding_its_first_bytes_show():
+    import codecs
+
+    from finetune_mcp.triage.parse import decode_log, log_encoding
+
+    data = (LOGS / "environment--dev9z-001.log").read_bytes()  # PowerShell's `python main.py > output.log 2>&1`
+    assert data.startswith(codecs.BOM_UTF16_LE) and log_encoding(data) == "utf-16"
+    text = decode_log(data)
+    assert "ValueError: ndarray is not C-contiguous" in text and "\x00" not in text
+    assert log_encoding(data[2:]) == "utf-16-le" and decode_log(data[2:]) == text  # the BOM lost: NULs say it
+    assert decode_log(codecs.BOM_UTF8 + b"loss: 1.0\n") == "loss: 1.0\n"
+    gbk = "loss 表 1.0\n".encode("gbk")
+    assert log_encoding(gbk) == "utf-8" and "loss" in decode_log(gbk)  # not UTF-8 at all: read around it
+
+
 def test_records_and_numbers():
     out = parse_records([{"step": 1, "loss": None}, {"step": 2, "loss": 1.5, "lr": 1e-4}, "junk"], KEYS)
     assert math.isnan(out[0].loss) and out[1].loss == 1.5 and len(out) == 2  # poll writes NaN as null

@@ -195,12 +195,13 @@ def test_escapes_and_prefixes_do_not_hide_a_signal(name, prefix):
 
 @pytest.mark.parametrize("name", ["oom-nccl-timeout-after-rank-oom-swift.log", "none-healthy-torchtune-lora-multinode.log",
                                   "divergence-dreamer-pytorch-named-losses-nan-table.log", "none-healthy-ray-train-result-table.log"])
-def test_a_big_log_streamed_reads_as_the_whole_text_does(tmp_path, monkeypatch, name):
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16"])  # utf-16: as PowerShell's `python train.py > log` writes it
+def test_a_big_log_streamed_reads_as_the_whole_text_does(tmp_path, monkeypatch, name, encoding):
     import finetune_mcp.triage.signals as S
 
     text = (LOGS / name).read_text(encoding="utf-8")
     path = tmp_path / name
-    path.write_text(text, encoding="utf-8")
+    path.write_text(text, encoding=encoding)
     whole = find(text)
     monkeypatch.setattr(S, "WHOLE_BYTES", 0)
     monkeypatch.setattr(S, "CHUNK_BYTES", 97)  # many chunks, cut mid-line

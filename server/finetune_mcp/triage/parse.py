@@ -11,6 +11,7 @@ table. The parsers are the standard library's own (json, ast.literal_eval) plus 
 from __future__ import annotations
 
 import ast
+import codecs
 import json
 import math
 import re
@@ -491,6 +492,29 @@ def _eq(x: float | None, y: float | None) -> bool:
     if x is None or y is None:
         return x is y
     return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def log_encoding(head: bytes) -> str:
+    """The encoding of a log from its first bytes: a BOM says it (PowerShell's `>` and Out-File write UTF-16 LE
+    with one; Notepad may add UTF-8's), and so do NULs in every other byte of a UTF-16 log that lost its BOM;
+    anything else is read as UTF-8, a byte that is not replaced (a GBK table stays readable around it)."""
+    if head.startswith(codecs.BOM_UTF8):
+        return "utf-8-sig"
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    pairs = len(head) // 2
+    if pairs >= 8:
+        odd, even = head[1:2 * pairs:2].count(0), head[0:2 * pairs:2].count(0)
+        if odd >= 0.4 * pairs and even <= 0.05 * pairs:
+            return "utf-16-le"
+        if even >= 0.4 * pairs and odd <= 0.05 * pairs:
+            return "utf-16-be"
+    return "utf-8"
+
+
+def decode_log(data: bytes) -> str:
+    """A whole log's bytes as text, in the encoding log_encoding reads off its start."""
+    return data.decode(log_encoding(data[:4096]), errors="replace")
 
 
 def split_lines(text: str) -> list[str]:

@@ -7,6 +7,7 @@ skilltables.FailureSignalsTable); it finds, it does not decide - classify weighs
 from __future__ import annotations
 
 import bisect
+import codecs
 import math
 import re
 import signal as _signal
@@ -19,8 +20,9 @@ from typing import Any
 import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
-from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_lines, is_setting, may_carry, normalise_key, parse_line, parse_records,
-                                      parse_text, same_record, split_lines, to_number)
+from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_lines, decode_log, is_setting, log_encoding,
+                                      may_carry, normalise_key, parse_line, parse_records, parse_text, same_record, split_lines,
+                                      to_number)
 
 SKILL = "dgx-spark-ops"
 MAX_LINES_PER_HIT = 12
@@ -1044,7 +1046,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     path = str(path)
     if os.path.getsize(path) <= WHOLE_BYTES:
         with open(path, "rb") as fh:
-            return find(fh.read().decode("utf-8", errors="replace"), exit_info=exit_info, table=table)
+            return find(decode_log(fh.read()), exit_info=exit_info, table=table)
     comp = compiled(table)
     code, sig_no, stopped_by = exit_fields(exit_info)
     by_id: dict[str, Hit] = {}
@@ -1061,18 +1063,20 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     first_line = 1
     tail: list[str] = []
     with open(path, "rb") as fh:
-        carry = b""
+        decoder = codecs.getincrementaldecoder(log_encoding(fh.read(4096)))(errors="replace")
+        fh.seek(0)
+        carry = ""
         while True:
             block = fh.read(CHUNK_BYTES)
-            data = carry + block
+            data = carry + decoder.decode(block, final=not block)
             if not data:
                 break
-            cut = data.rfind(b"\n") if block else len(data) - 1
+            cut = data.rfind("\n") if block else len(data) - 1
             if cut < 0:
                 carry = data
                 continue
             chunk, carry = data[:cut + 1], data[cut + 1:]
-            log = Log(lines=split_lines(chunk.decode("utf-8", errors="replace")), first_line=first_line)
+            log = Log(lines=split_lines(chunk), first_line=first_line)
             _merge_hits(by_id, [*word_hits(log, comp).values(), *nonfinite_metric_hits(log, comp)], most=MAX_LINES_PER_HIT * 4)
             marked: set[int] = set()
             for m in comp.markers:
