@@ -164,7 +164,7 @@ class Metric:
     lr: float | None = None
     loss_scale: float | None = None
     epoch: float | None = None  # HF's fractional epoch, Lightning's "Epoch 3": a run that starts over goes back
-    run_end: float | None = None  # a key only an end-of-training summary prints (HF's train_runtime): a train() call ended
+    run_end: float | None = None  # a run ended here: HF's end-of-training summary (its train_runtime), or 0.0 for a KeyboardInterrupt
     scale_cut: bool = False  # the loss scale was cut on this line (not merely reported)
     source: str = ""  # which reader found it: dict, json, pairs, table, scale-cut, tqdm
     named: dict[str, float] = field(default_factory=dict)  # normalised key -> value, for keys key_kind names
@@ -497,7 +497,7 @@ def _eq(x: float | None, y: float | None) -> bool:
 def log_encoding(head: bytes) -> str:
     """The encoding of a log from its first bytes: a BOM says it (PowerShell's `>` and Out-File write UTF-16 LE
     with one; Notepad may add UTF-8's), and so do NULs in every other byte of a UTF-16 log that lost its BOM;
-    anything else is read as UTF-8, a byte that is not replaced (a GBK table stays readable around it)."""
+    anything else is UTF-8, where a byte that is not UTF-8 is replaced (a GBK table stays readable around it)."""
     if head.startswith(codecs.BOM_UTF8):
         return "utf-8-sig"
     if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
