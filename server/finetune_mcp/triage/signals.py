@@ -1076,6 +1076,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 carry = data
                 continue
             chunk, carry = data[:cut + 1], data[cut + 1:]
+            del data  # one copy of the chunk in memory, not two
             log = Log(lines=split_lines(chunk), first_line=first_line)
             _merge_hits(by_id, [*word_hits(log, comp).values(), *nonfinite_metric_hits(log, comp)], most=MAX_LINES_PER_HIT * 4)
             marked: set[int] = set()
