@@ -112,6 +112,8 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("nvcc fatal   : Unsupported gpu architecture 'compute_90'", "tool-failure"),
     ("ERROR: No matching distribution found for torch==2.1.0", "tool-failure"),
     ("make[2]: *** [CMakeFiles/lenet.dir/main.cpp.o] Error 1", "tool-failure"),
+    ("FATAL:   while loading overlay images: failed to open overlay image /scratch/thesis/overlay_img2", "tool-failure"),
+    ("Could not override 'trainer.lambda_max'.", "tool-failure"),
     ("RuntimeError: Function 'MulBackward0' returned nan values in its 0th output.", "nonfinite-printout"),
     ("deepspeed.ops.op_builder.builder.MissingCUDAException: CUDA_HOME does not exist, unable to compile CUDA op(s)", "cuda-toolkit-missing"),
     ("RuntimeError: Error building extension 'fused_adam'", "extension-build-failed"),
@@ -133,6 +135,11 @@ def test_exit_status_and_failure_evidence():
     healthy = find((LOGS / "none-healthy-trl-sft-llama2-loss-decreasing.log").read_text())
     assert not healthy.failed and not healthy.hits and len(healthy.metrics) == 11
     assert not find("Traceback (most recent call last):\nValueError: handled\n", exit_info={"returncode": 0}).failed
+    # LSF's job report (bsub's mail, or the .out file): a job that ended on a non-zero exit failed.
+    assert find("Subject: Job 23442268: <train_seg_model> in cluster <dcc> Exited\nExited with exit code 1.\n").failed
+    assert not find("Subject: Job 1: <train> in cluster <dcc> Done\nSuccessfully completed.\n").failed
+    # Look-alikes: Python logging's FATAL level and a message that quotes an override are no failure of the tool.
+    assert "tool-failure" not in [h.id for h in find("FATAL:root:checkpoint dir missing, creating it\nWe could not override defaults here\n").hits]
 
 
 # --- issue 32: any named metric, loss scales, text as logs are, big logs streamed ------------------
