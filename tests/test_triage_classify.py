@@ -53,6 +53,20 @@ def test_a_requested_stop_is_none_stopped_and_outranks_only_the_fallback():
     assert decide(_findings([stop, oom])).failure_class == "oom"
 
 
+def test_a_stop_the_log_went_on_past_is_not_how_it_ends():
+    from finetune_mcp.triage.classify import classify_text
+
+    n = load_signal_table().records.went_on_records
+    stop = "Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\nKeyboardInterrupt\n"
+    resumed = "".join(f"step {i} loss {2.0 - i / 100:.3f}\n" for i in range(1, n + 2))
+    c = classify_text("step 0 loss 2.100\n" + stop + resumed)  # a notebook cell stopped, then run again
+    assert (c.failure_class, c.healthy_or_unrecognised) == ("none", "healthy")
+    c = classify_text("step 0 loss 2.100\n" + stop + "step 1 loss 2.000\n")
+    assert (c.failure_class, c.healthy_or_unrecognised) == ("none", "stopped")
+    lightning = "UserWarning: Detected KeyboardInterrupt, attempting graceful shutdown...\n"
+    assert classify_text("Epoch 3: loss=0.51\n" + lightning).healthy_or_unrecognised == "stopped"
+
+
 def test_healthy_reads_none_and_says_what_it_checked():
     ms = [Metric(i, f"l{i}", step=i, loss=2.0 - i / 10) for i in range(1, 8)]
     c = decide(_findings(metrics=ms))

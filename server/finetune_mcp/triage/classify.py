@@ -182,7 +182,8 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
     if outlived:
         ids = ", ".join(f"{h.id} (last at line {h.last_line})" for h in _order(outlived))
         dropped_note += (f" Set aside, the run logged {f.table.records.went_on_records} or more records after them: {ids}.")
-    stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped"]
+    # A stop the log went on past (a notebook cell interrupted, then run again) is not how the log ends.
+    stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped" and not f.outlived(h)]
     scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}
     fallback = None
     if f.failed and not scores and not stopped:

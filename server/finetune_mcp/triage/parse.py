@@ -390,7 +390,7 @@ class MetricTable:
 
 def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = None) -> Metric:
     """Fill `m` from one (cleaned) line with every reader that applies; the first value found per field wins."""
-    if "KeyboardInterrupt" in line and _INTERRUPTED.match(line):
+    if "KeyboardInterrupt" in line and _INTERRUPTED.search(line):
         m.run_end = 0.0  # the run was stopped by hand: what a notebook logs after it is a resumed or new run
         return m
     if _from_dicts(m, keys, line):
@@ -437,8 +437,9 @@ def parse_text(text: str, keys: KeyMap) -> list[Metric]:
 # (the words of _METRIC_WORD, as plain substrings).
 _CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "{", "educ",
                 "keyboardinterrupt")
-# Python's exception line for Ctrl-C (or a notebook's stop button), as the traceback ends it.
-_INTERRUPTED = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b")
+# Python's exception line for Ctrl-C (or a notebook's stop button), as the traceback ends it, and Lightning's
+# warning when it catches one.
+_INTERRUPTED = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b|Detected KeyboardInterrupt, attempting graceful shutdown")
 
 
 def may_carry(clean: str, table: "MetricTable") -> bool:
