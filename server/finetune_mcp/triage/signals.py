@@ -515,14 +515,15 @@ class _Series:
     bounded state, fed one value at a time, so a log of any length is checked in one pass.
 
     A spike counts unless the loss comes back under spike_recover_factor x the median before it within
-    spike_recover_logs logs (an episode the curve came back from), and only if it rose at least spike_abs_min (a loss printed
-    to four decimals around 0.0001 is noise, whatever the ratio). A long curve (rise_smooth_after values
+    spike_recover_logs logs (an episode the curve came back from), and only if it rose at least
+    spike_abs_min (a loss printed to four decimals around 0.0001 is noise, whatever the ratio). A long curve (rise_smooth_after values
     or more) is read for a rise by its rolling median over rise_window values and the value it started
     at: one lucky batch is not a level the run reached, nor one unlucky batch the level it came back to; the
     level it ended at is the lowest of its last rise_window medians (a level that held)."""
 
-    def __init__(self, rules):
+    def __init__(self, rules, name: str = "loss"):
         self.rules = rules
+        self.name = name  # what the verdict calls it: "loss" for the training loss under any of its keys
         self.window: deque[float] = deque(maxlen=rules.spike_window)
         self.spikes: list[tuple[Metric, float]] = []
         self.pending: list[tuple[Metric, float, int, float]] = []  # spikes not yet known to last: (metric, median, logs since, ratio)
@@ -693,9 +694,9 @@ class NumberRules:
     def feed(self, m: Metric):
         self.records += 1
         if m.run_end is not None:
-            # HF Trainer's end-of-training summary ({'train_runtime': ..., 'train_loss': <the mean>}): the run's
-            # average restated, and the end of one train() call - a later stage (SFT, then DPO) or a relaunch
-            # starts its curve afresh. A NaN in it still counts.
+            # A run ended: HF Trainer's end-of-training summary ({'train_runtime': ..., 'train_loss': <the mean>},
+            # the run's average restated; a later stage - SFT, then DPO - or a relaunch starts its curve afresh),
+            # or a KeyboardInterrupt (what a notebook logs next is a resumed run). A NaN in the summary still counts.
             if m.loss is not None and not math.isfinite(m.loss):
                 self._bad(m, "loss")
             self._restart()
@@ -746,11 +747,10 @@ class NumberRules:
             if not math.isfinite(v):
                 self._bad(m, name)
             elif (v >= 0 or name == "loss") and not self._adversarial(name):
-                skey = name if name != "loss" else m.loss_key or "loss"
-                se = self.series.get(skey)
+                key = name if name != "loss" else m.loss_key or "loss"  # each key its own curve: 'loss', 'avg loss'
+                se = self.series.get(key)
                 if se is None:
-                    se = self.series[skey] = _Series(self.r)
-                    se.name = name
+                    se = self.series[key] = _Series(self.r, name)
                 se.feed(m, v)
         for name, v in grads:
             if not math.isfinite(v):
