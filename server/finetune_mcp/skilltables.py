@@ -351,7 +351,7 @@ class MetricKeys(Strict):
     @_model_validator(mode="after")
     def _disjoint(self):
         seen: dict[str, str] = {}
-        for field in ("loss", "eval_loss", "grad_norm", "lr", "step", "loss_scale", "epoch", "run_end"):
+        for field in type(self).model_fields:  # every field is a list of keys
             for k in getattr(self, field):
                 if k != k.strip().lower() or "_" in k or "/" in k:
                     raise ValueError(f"metric key {k!r} must be written normalised (lower case, spaces for _ / - .)")

@@ -516,9 +516,9 @@ class _Series:
 
     A spike counts unless the loss comes back under spike_recover_factor x the median before it within
     spike_recover_logs logs (an episode the curve came back from), and only if it rose at least
-    spike_abs_min (a loss printed to four decimals around 0.0001 is noise, whatever the ratio). A long curve (rise_smooth_after values
-    or more) is read for a rise by its rolling median over rise_window values and the value it started
-    at: one lucky batch is not a level the run reached, nor one unlucky batch the level it came back to; the
+    spike_abs_min (a loss printed to four decimals around 0.0001 is noise, whatever the ratio). A long
+    curve (rise_smooth_after values or more) is read for a rise by its rolling median over rise_window
+    values and the value it started at: one lucky batch is not a level the run reached, nor one unlucky batch the level it came back to; the
     level it ended at is the lowest of its last rise_window medians (a level that held)."""
 
     def __init__(self, rules, name: str = "loss"):
@@ -625,7 +625,7 @@ class NumberRules:
         self.grad_finite_after = 0  # finite grad norms logged since the last non-finite one
         self.zero_nan: list[Metric] = []
         self.series: dict[str, _Series] = {}
-        self.closed_series: list[tuple[str, _Series]] = []  # the series of runs a restart closed
+        self.closed_series: list[_Series] = []  # the series of runs a restart closed
         self.big: list[Metric] = []
         self.big_max = 0.0
         self.huge: list[tuple[Metric, str, float]] = []
@@ -664,9 +664,9 @@ class NumberRules:
         not read against the old run's minimum. What the old run already showed (a flat loss, a KL blow-up, a
         NaN) stays."""
         self._close_run()  # a flat stretch the old run ended on is judged as it stands
-        for item in self.series.items():  # and its own lasting spikes and rise, against its own curve
+        for se in self.series.values():  # and its own lasting spikes and rise, against its own curve
             if len(self.closed_series) < MAX_CLOSED_SERIES:
-                self.closed_series.append(item)
+                self.closed_series.append(se)
         self.series = {}
         self.run_vals = []
         self.recent.clear()
@@ -882,7 +882,7 @@ class NumberRules:
             # A NaN grad norm the run logged finite ones after (and no NaN loss) was a step fp16 loss scaling skipped.
             add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
-        every = [(se.name, se) for _, se in self.closed_series + list(self.series.items())]
+        every = [(se.name, se) for se in self.closed_series + list(self.series.values())]
         spikes = [(name, sp) for name, se in every for sp in se.lasting_spikes()]
         if spikes:
             name, (m, med) = min(spikes, key=lambda x: x[1][0].line)
