@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from finetune_mcp.triage.parse import KeyMap, Metric, parse_line, parse_text
+from finetune_mcp.triage.parse import Metric, parse_line, parse_text
 from finetune_mcp.triage.signals import compiled, exit_fields, find, load_signal_table, number_hits
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 RULES = load_signal_table().records
+KEYS = compiled().keys  # the metric keys the classifier reads with
 
 
 def _ids(metrics) -> list[str]:
@@ -420,11 +421,10 @@ def test_a_flat_loss_beside_a_loss_that_moves_or_at_a_converged_floor_is_not_stu
     assert "flat-loss" in _ids(both)
     # A training loss printed to four decimals reaches 0.0000 while the validation loss beside it keeps moving
     # (an overfitting classifier): the print rounds, the weights move. With the validation loss still too: stuck.
-    keys = KeyMap.from_table(load_signal_table().metric_keys)
     curve = [(0.0144, 0.5636), (0.0010, 0.6650), (0.0001, 0.7100)] + [(0.0, 0.7264 + i / 400) for i in range(n + 3)]
-    rounded = parse_text("\n".join(f"Epoch {e}/60: train loss {a:.4f}, val loss {b:.4f}" for e, (a, b) in enumerate(curve, 20)), keys)
+    rounded = parse_text("\n".join(f"Epoch {e}/60: train loss {a:.4f}, val loss {b:.4f}" for e, (a, b) in enumerate(curve, 20)), KEYS)
     assert "flat-loss" not in _ids(rounded)
-    frozen = parse_text("\n".join(f"Epoch {e}/60: train loss {a:.4f}, val loss 0.7264" for e, (a, _) in enumerate(curve, 20)), keys)
+    frozen = parse_text("\n".join(f"Epoch {e}/60: train loss {a:.4f}, val loss 0.7264" for e, (a, _) in enumerate(curve, 20)), KEYS)
     assert "flat-loss" in _ids(frozen)
     # Flat at the run's lowest after falling more than flat_converged_factor x: converged.
     fell = [0.167, 0.09, 0.05, 0.03, 0.02] + [0.0138] * (n + 1)
@@ -454,7 +454,7 @@ def test_wandb_run_summary_is_no_record():
 def summary_records(text: str) -> int:
     from finetune_mcp.triage.parse import parse_text
 
-    return sum(1 for m in parse_text(text, compiled().keys) if m.loss is not None)
+    return sum(1 for m in parse_text(text, KEYS) if m.loss is not None)
 
 
 def test_a_kl_term_past_the_magnitude_limit_is_broken_numbers():
@@ -465,13 +465,12 @@ def test_a_kl_term_past_the_magnitude_limit_is_broken_numbers():
 
 def test_the_end_of_one_train_call_or_a_replay_starts_the_curve_over():
     sft = [Metric(i, "x", loss=v, epoch=i / 2) for i, v in enumerate([2.4, 1.6, 1.0, 0.7, 0.5, 0.4, 0.38], 1)]
-    keys = KeyMap.from_table(load_signal_table().metric_keys)
-    summary = parse_line(Metric(8, ""), keys, "{'train_runtime': 861.4, 'train_loss': 0.79, 'epoch': 8.33}")
+    summary = parse_line(Metric(8, ""), KEYS, "{'train_runtime': 861.4, 'train_loss': 0.79, 'epoch': 8.33}")
     assert (summary.run_end, summary.loss, summary.epoch) == (861.4, 0.79, 8.33)
     ipo = [Metric(9 + i, "x", loss=v, epoch=5.0 * (i + 1)) for i, v in enumerate([24.6, 24.5, 24.3, 24.1, 23.9])]
     assert not {"loss-rise", "loss-spike"} & set(_ids(sft + [summary] + ipo))  # SFT, then an IPO stage
     assert {"loss-rise", "loss-spike"} & set(_ids(sft + ipo))  # without the summary: one run that came apart
-    nan_summary = parse_line(Metric(8, ""), keys, "{'train_runtime': 9.0, 'train_loss': nan}")
+    nan_summary = parse_line(Metric(8, ""), KEYS, "{'train_runtime': 9.0, 'train_loss': nan}")
     assert "nonfinite-loss" in _ids(sft + [nan_summary])
     # The same losses at the same steps printed again (a notebook cell run twice): a replay, not a rise.
     pre = [6.4668, 5.7228, 2.6397, 1.9819]
@@ -486,26 +485,24 @@ def test_the_end_of_one_train_call_or_a_replay_starts_the_curve_over():
 
 
 def test_losses_under_two_keys_are_two_curves():
-    keys = KeyMap.from_table(load_signal_table().metric_keys)
     pre = [f"Pre-training iteration {20 * (i + 1)}/100, Loss: {v}" for i, v in enumerate([6.4668, 5.7228, 2.0397, 1.9819, 2.5954])]
     main = [f"Epoch {e}/10, Avg Loss: {v}, Time: 0.5m" for e, v in [(1, 51136.5554), (5, 26167.1351), (10, 23974.3964)]]
-    ms = [parse_line(Metric(i, ""), keys, line) for i, line in enumerate(pre + main, 1)]
+    ms = [parse_line(Metric(i, ""), KEYS, line) for i, line in enumerate(pre + main, 1)]
     assert not {"loss-rise", "loss-spike"} & set(_ids(ms))  # a per-iteration loss, then a per-epoch sum: each falls
-    one_key = [parse_line(Metric(i, ""), keys, line.replace("Avg Loss", "Loss")) for i, line in enumerate(pre + main, 1)]
+    one_key = [parse_line(Metric(i, ""), KEYS, line.replace("Avg Loss", "Loss")) for i, line in enumerate(pre + main, 1)]
     assert {"loss-rise", "loss-spike"} <= set(_ids(one_key))  # the same numbers under one key: a run that blew up
     # The whole pre-training printed twice (two processes into one file): a replay at the same counted steps.
-    assert "flat-loss" not in _ids([parse_line(Metric(i, ""), keys, line) for i, line in enumerate(pre + pre, 1)])
+    assert "flat-loss" not in _ids([parse_line(Metric(i, ""), KEYS, line) for i, line in enumerate(pre + pre, 1)])
 
 
 def test_a_run_resumed_after_an_interrupt_is_read_from_its_own_start():
-    keys = KeyMap.from_table(load_signal_table().metric_keys)
     plateau = [f"Step {s} -- Train loss: {0.012 - (s - 860) * 1e-5:.6f}, Train Acc: 1.0" for s in range(860, 884)]
     resumed = [f"Step {883 + i} -- Train loss: {v}, Train Acc: 0.6" for i, v in enumerate([2.6767020225524902, 1.62, 1.557, 1.577, 1.397, 1.167, 1.006, 0.98, 0.91, 0.83, 0.7, 0.56, 0.4, 0.3])]
     dropped = ("wandb: WARNING (User provided step: 883 is less than current step: 884. Dropping entry: "
                "{'train_loss': 2.6767020225524902, 'train_acc': 0.5537109375})")
 
     def ids(lines):
-        return _ids(parse_text("\n".join(lines), keys))
+        return _ids(parse_text("\n".join(lines), KEYS))
 
     assert "loss-spike" in ids(plateau + resumed)  # one curve: the jump from 0.012 to 2.68 did not come back in time
     assert "loss-spike" not in ids(plateau + ["\x1b[0;31mKeyboardInterrupt\x1b[0m: "] + resumed + [dropped])
