@@ -221,7 +221,7 @@ def test_checks_follow_the_platform():
 
 def test_a_failure_no_signal_names_gets_the_likeliest_class_and_shows_its_error():
     r = classify_text(_text("env-setup-keyerror-text-column-sft.log"))
-    assert (r.failure_class, r.signals[0]) == ("environment", "fallback-setup")
+    assert (r.failure_class, r.signals[0]) == ("environment", "fallback-lookup")  # `[rank0]: KeyError: 'text'`, read without its prefix
     assert any("KeyError: 'text'" in t for _, t in r.evidence)
     assert r.confidence < 0.5 and r.missing_evidence
     # A Ctrl-C stop is not a failure even with a traceback around it.

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from finetune_mcp.triage.parse import (KeyMap, Metric, carries, clean_line, dedupe, normalise_key, parse_line, parse_records, parse_text,
                                         to_number)
@@ -164,10 +165,33 @@ def test_clean_line_drops_escapes_bars_and_prefixes():
     assert clean_line("(RayWorker pid=1, ip=10.0.0.1) Killed") == "Killed"
     assert clean_line("[rank3]: torch.OutOfMemoryError: CUDA out of memory.") == "torch.OutOfMemoryError: CUDA out of memory."
     assert clean_line("10.0.0.1: RuntimeError: NCCL error") == "RuntimeError: NCCL error"
-    assert clean_line("2020-12-08 21:40:40.870695  | actor_loss/Median  nan") == "| actor_loss/Median  nan"
+    assert clean_line("2020-12-08 21:40:40.870695  | actor_loss/Median  nan") == " | actor_loss/Median  nan"  # one separator goes
     assert clean_line("[ 1234.567890] Out of memory: Killed process 42 (python)") == "Out of memory: Killed process 42 (python)"
     assert clean_line("  1%|▏   | 1/90 [00:01<01:30]\r  2%|▎   | 2/90 [00:02<01:29]\r{'loss': 1.5}") == "{'loss': 1.5}"
     assert clean_line('  File "train.py", line 3, in <module>') == '  File "train.py", line 3, in <module>'  # no prefix: untouched
+    # A prefix and the one space after it go; the line keeps its own indentation (a traceback frame stays a frame).
+    assert clean_line('[rank0]:   File "train.py", line 3, in <module>') == '  File "train.py", line 3, in <module>'
+    # Loggers' levels and names: python logging (its default and the examples' format), Hydra, transformers'
+    # and LLaMA-Factory's, loguru, PaddleDetection's; journald; srun --label; a CRI log line; docker compose.
+    for prefixed in ("2024-05-01 12:00:00,123 - root - INFO - Traceback (most recent call last):",
+                     "10/15/2023 14:46:49 - WARNING - __main__ - Traceback (most recent call last):",
+                     "INFO:__main__:Traceback (most recent call last):",
+                     "[2025-10-29 23:59:01,773][root][WARNING] - Traceback (most recent call last):",
+                     "[INFO|configuration_utils.py:673] 2025-04-01 06:58:03,984 >> Traceback (most recent call last):",
+                     "[INFO|2025-04-01 06:58:03] llamafactory.hparams.parser:373 >> Traceback (most recent call last):",
+                     "2023-01-25 00:21:09.074 | ERROR    | trainers.base_trainer:train_epochs:256 - Traceback (most recent call last):",
+                     "[2024/05/01 12:00:01] ppdet.engine INFO: Traceback (most recent call last):",
+                     "Dec  6 12:00:01 gpu-node-3 python[12345]: Traceback (most recent call last):",
+                     "  3: Traceback (most recent call last):",
+                     "2024-05-01T12:00:01.123456789Z stderr F Traceback (most recent call last):",
+                     "trainer-1  | Traceback (most recent call last):"):
+        assert clean_line(prefixed) == "Traceback (most recent call last):", prefixed
+    # pip's `ERROR:` under a CI runner's timestamp is the message, not a logger's level.
+    assert clean_line("2024-05-01T12:00:01.1234567Z ERROR: No matching distribution found for torch==9") == \
+        "ERROR: No matching distribution found for torch==9"
+    assert clean_line("12: loss 0.5") == "loss 0.5" and clean_line("12: 0.5") == "12: 0.5"  # a task number, not a value
+    # Escapes go before the carriage-return redraws: a bar's last segment may be only a colour reset or tqdm's cursor-up.
+    assert clean_line("\x1b[31mKilled\r\x1b[0m") == "Killed" and clean_line("loss 0.5\r\x1b[A") == "loss 0.5"
 
 
 def test_clean_lines_is_clean_line_on_every_corpus_log():
@@ -176,6 +200,53 @@ def test_clean_lines_is_clean_line_on_every_corpus_log():
     for p in LOGS.glob("*.log"):
         lines = split_lines(p.read_text(encoding="utf-8", errors="replace"))
         assert clean_lines(lines) == [clean_line(ln) for ln in lines], p.name
+
+
+PREFIXES = yaml.safe_load((Path(__file__).parent / "fixtures" / "log-prefixes.yaml").read_text())["prefixes"]
+# Real logs whose verdict an added prefix changed before the line cleaner knew it: an anchored signal (Ctrl-C,
+# Apptainer's FATAL, pip's ERROR), the fallback's KeyError rule, a traceback's frames under `[rank0]: `, a
+# colour reset after a Windows line end, Keras bars redrawn under a timestamp, a notebook's caught spike.
+PREFIX_PROBES = ("none--dev7f-012.log", "none--dev7f-017.log", "environment--dev7g-002.log", "environment--dev9f-012.log",
+                 "environment--dev5g-019.log", "environment--dev4e-013.log", "none--dev4e-020.log", "environment--dev7f-005.log",
+                 "divergence--stable-baselines-ppo1-actions-turn-nan.log")
+
+
+@pytest.mark.parametrize("prefix", PREFIXES, ids=[p["name"] for p in PREFIXES])
+def test_a_log_reads_the_same_under_every_prefix_its_writers_add(prefix):
+    from finetune_mcp.triage import classify_text
+    from finetune_mcp.triage.parse import clean_lines, decode_log, split_lines
+
+    index = {c["file"]: c["class"] for c in yaml.safe_load((LOGS / "index.yaml").read_text())["cases"]}
+    for name in PREFIX_PROBES:
+        text = decode_log((LOGS / name).read_bytes())
+        lines = text.split("\n")
+        wrapped = "\n".join(prefix["format"].format(line=ln, ss=f"{i % 60:02d}") if ln else ln for i, ln in enumerate(lines))
+        plain, read = classify_text(text), classify_text(wrapped)
+        assert plain.failure_class == index[name], name
+        assert (read.failure_class, read.signals) == (plain.failure_class, plain.signals), (prefix["name"], name)
+        raw = split_lines(wrapped)
+        assert clean_lines(raw) == [clean_line(ln) for ln in raw], (prefix["name"], name)
+
+
+def test_a_redrawn_record_is_the_same_record_under_a_new_timestamp():
+    lines = [f"[2024-05-01T12:00:0{i}.1Z] 10/20 [=====>....] - ETA: 3s - loss: 0.3732" for i in range(2)]
+    assert len(parse_text("\n".join(lines), KEYS)) == 1
+
+
+def test_ipython_shows_source_around_a_frame_and_that_source_is_no_record():
+    from finetune_mcp.triage.parse import clean_lines, code_lines, decode_log, split_lines
+
+    # A notebook's HF Trainer run stopped by hand: IPython prints trainer.py around each frame's running line.
+    text = decode_log((LOGS / "none--dev10o-005.log").read_bytes())
+    clean = clean_lines(split_lines(text))
+    code = code_lines(clean)
+    comment = next(i for i, ln in enumerate(clean) if "# if loss is nan or inf" in ln)
+    running = next(i for i, ln in enumerate(clean) if ln.startswith("-> 2548"))
+    assert comment in code and running not in code  # the neighbour is not output; the arrow's line ran
+    assert not [m for m in parse_text(text, KEYS) if m.named or m.loss is not None]  # no NaN "loss" from the comment
+    # Python's own traceback prints only the line that ran: a `raise` quoting the failure stays evidence.
+    plain = ['Traceback (most recent call last):', '  File "train.py", line 9, in step', '    raise RuntimeError(" [!] NaN loss with loss.")']
+    assert code_lines(plain) == set()
 
 
 def test_named_metrics_of_any_name_and_format():

@@ -67,25 +67,60 @@ def is_setting(clean: str) -> bool:
 _ANSI = re.compile(r"(?:\x1b|\^\[|ESC(?=\[))(?:\[[0-9;?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])|\[(?:\d{1,3};)*\d{1,3}m")
 # What launchers and loggers put before a line: timestamps (ISO, bracketed, glog, dmesg seconds),
 # torchrun's [rank3]: / [default0]:, Ray's (pid=123) / (RayWorker pid=1, ip=10.0.0.1) / (raylet),
-# pdsh-style host prefixes (10.0.0.1: , node-3: ). Stripped repeatedly from the start only.
-_PREFIX = re.compile(
-    r"\s*(?:"
-    r"\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}[.,]\d+ [DIWEFC] \d+ \d+\]"
-    r"|\[?\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?:?"
-    r"|\[\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]"
-    r"|[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+ [\w./-]+:\d+\]"
-    r"|\[\s*\d+\.\d+\]"
-    r"|\[(?:rank|default|Rank )\s?\d+\]:?"
-    r"|\((?:[\w.\-]+ )?pid=\d+(?:, ip=[\w.:\-]+)?\)"
-    r"|\((?:raylet|gcs_server|dashboard|autoscaler|monitor)(?:, ip=[\w.:\-]+)?\)"
-    r"|\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?:(?=\s)"
-    r")")
+# pdsh-style host prefixes (10.0.0.1: , node-3: ), srun --label's task number (0: ), a logger's level and
+# name (python logging's `- root - INFO -`, `- INFO - __main__ -` and `INFO:root:`, `[INFO]`, transformers' and
+# LLaMA-Factory's `[INFO|trainer.py:1812] ... >>` / `[INFO|<time>] llamafactory.x:373 >>`,
+# Hydra's `[__main__][INFO] -`, loguru's `| INFO | mod:fn:12 -`, a level right after a timestamp), syslog's
+# `Dec  6 12:00:01 host python[123]:` (journald), a container runtime's stream tag (`stdout F`) and docker
+# compose's service column (`trainer-1  |`).
+# Stripped repeatedly from the start only.
+_LEVEL = r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL|NOTICE|TRACE|SUCCESS)"
+_NAME = r"[\w.<>]+"
+# After a timestamp: python logging's ` - root - INFO - ` / ` - INFO - __main__ - `, a bare level (` INFO `), a
+# name and a level (` ppdet.engine INFO: `); a bare `ERROR:` stays (pip's, under a CI runner's timestamp).
+_LEVEL_AFTER_TIME = (r"(?:[ \t]+-[ \t]+(?:" + _NAME + r"[ \t]+-[ \t]+)?" + _LEVEL + r"[ \t]+-(?:[ \t]+" + _NAME + r"[ \t]+-)?(?=[ \t])"
+                     r"|[ \t]+(?:[\w.]+[ \t]+)?" + _LEVEL + r"(?=[ \t])|[ \t]+[\w.]+[ \t]+" + _LEVEL + r":)?")
+_DATE_TIME = r"\d{4}[-/]\d{2}[-/]\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
+# Every alternative starts with a literal or a character class, so the regex engine rejects it on a line's
+# first character: most lines of a big log start with none of them (bench/bench_triage_big.py).
+_PREFIX = re.compile(r"\s*(?:" + "|".join([
+    r"\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}[.,]\d+ [DIWEFC] \d+ \d+\]",
+    r"\[" + _DATE_TIME + r"\]?:?" + _LEVEL_AFTER_TIME,
+    _DATE_TIME + r":?" + _LEVEL_AFTER_TIME,
+    r"\[\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]" + _LEVEL_AFTER_TIME,
+    r"\d{2}/\d{2}/\d{4} \d{2}:\d{2}:\d{2}" + _LEVEL_AFTER_TIME,
+    r"[A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} [\w.-]+ [\w.@/-]+(?:\[\d+\])?:(?=[ \t])",
+    r"[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+ [\w./-]+:\d+\]",
+    r"\[\s*\d+\.\d+\]",
+    r"\[(?:rank|default|Rank )\s?\d+\]:?",
+    r"\((?:[\w.\-]+ )?pid=\d+(?:, ip=[\w.:\-]+)?\)",
+    r"\((?:raylet|gcs_server|dashboard|autoscaler|monitor)(?:, ip=[\w.:\-]+)?\)",
+    r"\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?:(?=\s|$)",
+    r"\d{1,4}:(?=[ \t]+[^\d\s]|[ \t]{2}|[ \t]*$)",  # a task number before a line, not `12: 0.5`
+    _LEVEL + r"[ \t]+-(?:[ \t]+" + _NAME + r"[ \t]+-)?(?=[ \t])",
+    _LEVEL + r":[\w.<>-]+:",
+    r"\[(?:[\w.<>-]+\]\[)?" + _LEVEL + r"(?:\|[^\]\n]*)?\](?:[ \t]*-(?=[ \t])"
+    r"|(?:[ \t]+\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:[.,]\d+)?)?(?:[ \t]+[\w.]+:\d+)?[ \t]+>>(?=[ \t]))?",
+    r">>(?=[ \t])",
+    r"\|[ \t]*" + _LEVEL + r"[ \t]*\|(?:[ \t]*[\w.<>]+:[\w.<>]+:\d+[ \t]+-(?=[ \t]))?",
+    r"(?:stdout|stderr) [FP](?= )",
+    r"[A-Za-z0-9.]++[-_](?:[A-Za-z0-9.]++[-_])*?\d+ {2,}\|(?= )",
+]) + ")")
 
 
 def _last_segment(line: str) -> str:
-    """What a terminal shows of a line redrawn with carriage returns: its last non-blank segment."""
+    """What a terminal shows of a line redrawn with carriage returns: its last segment with text (one holding
+    only escapes - a colour reset, tqdm's cursor-up - shows none)."""
     segs = [seg for seg in line.split("\r") if seg.strip()]
+    while segs and ("\x1b" in segs[-1] or "[" in segs[-1]) and not _ANSI.sub("", segs[-1]).strip():
+        segs.pop()
     return segs[-1] if segs else ""
+
+
+def _after_prefix(line: str, pos: int) -> str:
+    """The line after its prefix and the one space or tab that ends it: what is left keeps its own
+    indentation, so a traceback's frames under `[rank0]: ` still read as frames."""
+    return line[pos + 1:] if line[pos:pos + 1] in (" ", "\t") else line[pos:]
 
 
 def clean_line(line: str) -> str:
@@ -100,10 +135,10 @@ def clean_line(line: str) -> str:
         if m is None or m.end() == pos:
             break
         pos = m.end()
-    return line[pos:].lstrip() if pos else line
+    return _after_prefix(line, pos) if pos else line
 
 
-_PREFIXES_AT_START = re.compile(r"(?m)^(?:" + _PREFIX.pattern.replace(r"\s*(?:", r"[ \t]*(?:", 1) + r")+[ \t]*")
+_PREFIXES_AT_START = re.compile(r"(?m)^(?:" + _PREFIX.pattern.replace(r"\s*(?:", r"[ \t]*(?:", 1) + r")+[ \t]?")
 
 
 def clean_lines(lines: list[str]) -> list[str]:
@@ -169,6 +204,7 @@ class Metric:
     source: str = ""  # which reader found it: dict, json, pairs, table, scale-cut, tqdm
     named: dict[str, float] = field(default_factory=dict)  # normalised key -> value, for keys key_kind names
     loss_key: str = ""  # the key the loss was logged under (normalised): 'loss' and 'avg loss' are two series
+    seen_as: int = 0  # hash of the line as the readers saw it (clean_line): a redraw repeats it under a new timestamp
 
     def has(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -416,21 +452,65 @@ def carries(m: Metric) -> bool:
                 or m.loss_scale is not None or m.run_end is not None)
 
 
-def parse_text(text: str, keys: KeyMap) -> list[Metric]:
-    """Every line of a log that carries a known metric, in log order (a whole trainer_state.json too)."""
+def parse_text(text: str, keys: KeyMap, *, code: set[int] | None = None) -> list[Metric]:
+    """Every line of a log that carries a known metric, in log order (a whole trainer_state.json too).
+    `code`: the 0-based lines that are source code a traceback shows (code_lines), when the caller has them."""
     whole = _load_object(text.strip()) if text.lstrip().startswith("{") else None
     if whole is not None and isinstance(whole.get("log_history"), list):
         return parse_records(whole["log_history"], keys)
     lines = split_lines(text)
+    cleaned = clean_lines(lines)
+    code = code_lines(cleaned) if code is None else code
     table = MetricTable(keys)
     out: list[Metric] = []
-    for i, (line, clean) in enumerate(zip(lines, clean_lines(lines)), 1):
-        if not may_carry(clean, table):
+    for i, (line, clean) in enumerate(zip(lines, cleaned), 1):
+        if not may_carry(clean, table) or i - 1 in code:
             continue
-        m = parse_line(Metric(i, line), keys, clean, table)
+        m = parse_line(Metric(i, line, seen_as=hash(clean)), keys, clean, table)
         if carries(m):
             out.append(m)
     return dedupe(out)
+
+
+# IPython's traceback frame header: IPython 8's `File /x/trainer.py:2555, in Trainer._inner_training_loop(...)` and
+# `Cell In[5], line 12`, IPython 7's `/x/module.py in _call_impl(...)` and `<ipython-input-5-1a2b> in <module>`.
+# Under one, IPython prints the lines around the one running, numbered, and marks that one with an arrow
+# (`-> 2556`, `---> 2556`). Its neighbours were not running: HF Trainer's `# if loss is nan or inf ...` comment,
+# printed beside an interrupted training step, is no NaN loss. (Python's own traceback prints only the line
+# that ran - a `raise ...("NaN loss")` there is evidence - and the arrow line is kept too.)
+_FRAME_HEAD = re.compile(r"[ \t]*(?:File \S[^\n]*?:\d+, in .*|Cell In ?\[\d*\], line \d+.*"
+                         r"|\S[^\n]*?(?:\.py|<ipython-input-[\w-]*>) in [\w<>.]+\(.*)")
+_NUMBERED = re.compile(r"[ \t]*(-+>)?[ \t]*\d+[ \t]")
+_FRAME_LINES = 30
+
+
+def code_lines(clean: list[str], text: str | None = None) -> set[int]:
+    """The 0-based indices of the lines IPython shows around a frame's running line (see _FRAME_HEAD)."""
+    text = "\n".join(clean) if text is None else text
+    out: set[int] = set()
+    at: set[int] = set()  # the starts of the lines that may be a header: found by two scans in C
+    pos = text.find(" in ")
+    while pos >= 0:
+        if text[pos - 1] == "," or text[pos - 1] == ">" or text[pos - 3:pos] == ".py":
+            at.add(text.rfind("\n", 0, pos) + 1)
+        pos = text.find(" in ", pos + 4)
+    pos = text.find("Cell In")
+    while pos >= 0:
+        at.add(text.rfind("\n", 0, pos) + 1)
+        pos = text.find("Cell In", pos + 7)
+    line, last = 0, 0
+    for start in sorted(at):
+        line += text.count("\n", last, start)
+        last = start
+        if not _FRAME_HEAD.fullmatch(clean[line]):
+            continue
+        for j in range(line + 1, min(line + 1 + _FRAME_LINES, len(clean))):
+            n = _NUMBERED.match(clean[j])
+            if n is None:
+                break
+            if n.group(1) is None:
+                out.add(j)
+    return out
 
 
 # Outside a table, a line carries a metric only if it names one, holds a dict or cuts the loss scale
@@ -484,7 +564,7 @@ def dedupe(metrics: list[Metric]) -> list[Metric]:
 def same_record(a: Metric, b: Metric) -> bool:
     """Whether b repeats a (the same step's numbers, as a tqdm redraw prints them twice)."""
     if a.step is None or b.step is None or a.step != b.step:
-        return a.text == b.text
+        return a.seen_as == b.seen_as and (a.seen_as != 0 or a.text == b.text)
     return all(_eq(getattr(a, f), getattr(b, f)) for f in ("loss", "grad_norm", "eval_loss")) and (
         a.named.keys() == b.named.keys() and all(_eq(a.named[k], b.named[k]) for k in a.named))
 

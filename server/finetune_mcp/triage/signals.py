@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
-from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_lines, decode_log, is_setting, log_encoding,
+from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_line, clean_lines, code_lines, decode_log, is_setting, log_encoding,
                                       may_carry, normalise_key, parse_line, parse_records, parse_text, same_record, split_lines,
                                       to_number)
 
@@ -220,9 +220,17 @@ class Log:
         self._lower: str | None = None
         self._gist: str | None = None
         self._gist_lower = ""
+        self._code: set[int] | None = None
         self.starts = [0]
         for ln in self.clean[:-1]:
             self.starts.append(self.starts[-1] + len(ln) + 1)
+
+    @property
+    def code(self) -> set[int]:
+        """The lines that are source code under a traceback's frames (parse.code_lines), found once."""
+        if self._code is None:
+            self._code = code_lines(self.clean, self.text)
+        return self._code
 
     def may_match(self, pattern: re.Pattern, comp: "Compiled") -> bool:
         """False when the pattern's required literal is nowhere in this log (see required_literals)."""
@@ -367,6 +375,8 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
             if log.may_match(p, comp):
                 matched |= set(log.scan(p))
         unless = comp.unless.get(s.id)
+        if matched:
+            matched -= log.code  # a frame's source line quotes the words; the run did not print them
         if matched and unless:
             # What the `unless` patterns match is cut from the line; the signal counts if it still matches the rest.
             matched = {i for i in matched if _still(log.clean[i], pats, unless)}
@@ -395,7 +405,7 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
     candidates = sorted({log.line_of(m.start()) for m in _NONFINITE_WORD.finditer(log.text)})
     for i in candidates:
         clean = log.clean[i]
-        if is_setting(clean):
+        if is_setting(clean) or i in log.code:
             continue
         for m in _NONFINITE_PAIR.finditer(clean):
             if _EXCEPTION_NAME.fullmatch(m.group("key")):
@@ -971,7 +981,8 @@ def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: li
         for rule, rx in comp.cut_traceback:
             if rx.search(frames):
                 return rule
-    text = exception[1] if exception else "\n".join(t for _, t in markers[-3:])
+    # The rules read the lines as the patterns do, without a launcher's or logger's prefix ([rank0]: KeyError).
+    text = clean_line(exception[1]) if exception else "\n".join(clean_line(t) for _, t in markers[-3:])
     for rule, rx in comp.fallback:
         if rx.search(text):
             return rule
@@ -1007,7 +1018,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     for k, h in exit_hits(comp, code, sig_no, stopped_by).items():
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
-    metrics = parse_text(text, comp.keys)
+    metrics = parse_text(text, comp.keys, code=log.code)
     _merge_hits(by_id, number_hits(metrics, comp))
     _merge_hits(by_id, nonfinite_metric_hits(log, comp))
     marked: set[int] = set()
@@ -1091,9 +1102,9 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             tail_metrics = []
             table = table_state.table
             for i, clean in enumerate(log.clean):
-                if not may_carry(clean, table):
+                if not may_carry(clean, table) or i in log.code:
                     continue
-                m = table_state.parse(Metric(i + first_line, log.lines[i]), clean)
+                m = table_state.parse(Metric(i + first_line, log.lines[i], seen_as=hash(clean)), clean)
                 if m is None or (prev is not None and same_record(prev, m)):
                     continue
                 rules.feed(m)
