@@ -186,6 +186,14 @@ def test_exit_status_alone():
     assert any("exception type alone" in m for m in r.missing_evidence)
     with pytest.raises(BadInput):
         classify_text("", exit_info={"signal": "SIGNOPE"})
+    # The exit status printed into the log by an IDE's run console (PyCharm: "Process finished with exit code N"),
+    # after a run that logged healthy records and no error of its own.
+    run = _text("none-healthy-torchtune-full-single-device.log").rstrip("\n")
+    assert classify_text(run).failure_class == "none"
+    assert classify_text(run + "\n\nProcess finished with exit code 0\n").failure_class == "none"
+    r = classify_text(run + "\n\nProcess finished with exit code -1073741819 (0xC0000005)\n")  # Windows' access violation
+    assert r.failure_class == "environment" and r.signals[0] == "fallback-setup" and r.confidence < 0.5
+    assert classify_text(run + "\n\nProcess finished with exit code 137 (interrupted by signal 9: SIGKILL)\n").failure_class == "oom"
 
 
 def test_nccl_timeout_after_a_rank_oom_is_the_oom():
