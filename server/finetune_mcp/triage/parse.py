@@ -81,29 +81,34 @@ _NAME = r"[\w.<>]+"
 _LEVEL_AFTER_TIME = (r"(?:[ \t]+-[ \t]+(?:" + _NAME + r"[ \t]+-[ \t]+)?" + _LEVEL + r"[ \t]+-(?:[ \t]+" + _NAME + r"[ \t]+-)?(?=[ \t])"
                      r"|[ \t]+(?:[\w.]+[ \t]+)?" + _LEVEL + r"(?=[ \t])|[ \t]+[\w.]+[ \t]+" + _LEVEL + r":)?")
 _DATE_TIME = r"\d{4}[-/]\d{2}[-/]\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
-# Every alternative starts with a literal or a character class, so the regex engine rejects it on a line's
-# first character: most lines of a big log start with none of them (bench/bench_triage_big.py).
+# The alternatives are grouped by what a line starts with, each group behind a literal or a lookahead, so the
+# regex engine rejects a line that starts with none of them in a few steps: most lines of a big log
+# (bench/bench_triage_big.py).
 _PREFIX = re.compile(r"\s*(?:" + "|".join([
-    r"\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}[.,]\d+ [DIWEFC] \d+ \d+\]",
-    r"\[" + _DATE_TIME + r"\]?:?" + _LEVEL_AFTER_TIME,
-    _DATE_TIME + r":?" + _LEVEL_AFTER_TIME,
-    r"\[\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]" + _LEVEL_AFTER_TIME,
-    r"\d{2}/\d{2}/\d{4} \d{2}:\d{2}:\d{2}" + _LEVEL_AFTER_TIME,
-    r"[A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} [\w.-]+ [\w.@/-]+(?:\[\d+\])?:(?=[ \t])",
-    r"[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+ [\w./-]+:\d+\]",
-    r"\[\s*\d+\.\d+\]",
-    r"\[(?:rank|default|Rank )\s?\d+\]:?",
-    r"\((?:[\w.\-]+ )?pid=\d+(?:, ip=[\w.:\-]+)?\)",
-    r"\((?:raylet|gcs_server|dashboard|autoscaler|monitor)(?:, ip=[\w.:\-]+)?\)",
-    r"\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?:(?=\s|$)",
-    r"\d{1,4}:(?=[ \t]+[^\d\s]|[ \t]{2}|[ \t]*$)",  # a task number before a line, not `12: 0.5`
-    _LEVEL + r"[ \t]+-(?:[ \t]+" + _NAME + r"[ \t]+-)?(?=[ \t])",
-    _LEVEL + r":[\w.<>-]+:",
-    r"\[(?:[\w.<>-]+\]\[)?" + _LEVEL + r"(?:\|[^\]\n]*)?\](?:[ \t]*-(?=[ \t])"
-    r"|(?:[ \t]+\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:[.,]\d+)?)?(?:[ \t]+[\w.]+:\d+)?[ \t]+>>(?=[ \t]))?",
+    r"\[(?:" + "|".join([
+        r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}[.,]\d+ [DIWEFC] \d+ \d+\]",
+        _DATE_TIME + r"\]?:?" + _LEVEL_AFTER_TIME,
+        r"\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]" + _LEVEL_AFTER_TIME,
+        r"\s*\d+\.\d+\]",
+        r"(?:rank|default|Rank )\s?\d+\]:?",
+        r"(?:[\w.<>-]+\]\[)?" + _LEVEL + r"(?:\|[^\]\n]*)?\](?:[ \t]*-(?=[ \t])"
+        r"|(?:[ \t]+\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:[.,]\d+)?)?(?:[ \t]+[\w.]+:\d+)?[ \t]+>>(?=[ \t]))?",
+    ]) + ")",
+    r"(?=\d)(?:" + "|".join([
+        _DATE_TIME + r":?" + _LEVEL_AFTER_TIME,
+        r"\d{2}/\d{2}/\d{4} \d{2}:\d{2}:\d{2}" + _LEVEL_AFTER_TIME,
+        r"\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?:(?=\s|$)",
+        r"\d{1,4}:(?=[ \t]+[^\d\s]|[ \t]{2}|[ \t]*$)",  # a task number before a line, not `12: 0.5`
+    ]) + ")",
+    r"\((?:(?:[\w.\-]+ )?pid=\d+(?:, ip=[\w.:\-]+)?|(?:raylet|gcs_server|dashboard|autoscaler|monitor)(?:, ip=[\w.:\-]+)?)\)",
+    r"(?=[A-Z])(?:" + "|".join([
+        r"[A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} [\w.-]+ [\w.@/-]+(?:\[\d+\])?:(?=[ \t])",
+        r"[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+ [\w./-]+:\d+\]",
+        _LEVEL + r"(?:[ \t]+-(?:[ \t]+" + _NAME + r"[ \t]+-)?(?=[ \t])|:[\w.<>-]+:)",
+    ]) + ")",
     r">>(?=[ \t])",
     r"\|[ \t]*" + _LEVEL + r"[ \t]*\|(?:[ \t]*[\w.<>]+:[\w.<>]+:\d+[ \t]+-(?=[ \t]))?",
-    r"(?:stdout|stderr) [FP](?= )",
+    r"std(?:out|err) [FP](?= )",
     r"[A-Za-z0-9.]++[-_](?:[A-Za-z0-9.]++[-_])*?\d+ {2,}\|(?= )",
 ]) + ")")
 

@@ -1101,8 +1101,9 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             bar_done = last_bar_done(log) or bar_done
             tail_metrics = []
             table = table_state.table
+            code = log.code
             for i, clean in enumerate(log.clean):
-                if not may_carry(clean, table) or i in log.code:
+                if not may_carry(clean, table) or i in code:
                     continue
                 m = table_state.parse(Metric(i + first_line, log.lines[i], seen_as=hash(clean)), clean)
                 if m is None or (prev is not None and same_record(prev, m)):
