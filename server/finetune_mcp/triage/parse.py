@@ -459,7 +459,7 @@ def carries(m: Metric) -> bool:
 
 def parse_text(text: str, keys: KeyMap, *, code: set[int] | None = None) -> list[Metric]:
     """Every line of a log that carries a known metric, in log order (a whole trainer_state.json too).
-    `code`: the 0-based lines that are source code a traceback shows (code_lines), when the caller has them."""
+    `code`: the 0-based lines IPython printed as source around a frame (code_lines), when the caller has them."""
     whole = _load_object(text.strip()) if text.lstrip().startswith("{") else None
     if whole is not None and isinstance(whole.get("log_history"), list):
         return parse_records(whole["log_history"], keys)

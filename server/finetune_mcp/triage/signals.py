@@ -227,7 +227,7 @@ class Log:
 
     @property
     def code(self) -> set[int]:
-        """The lines that are source code under a traceback's frames (parse.code_lines), found once."""
+        """The lines IPython prints around a frame's running line: source, not output (parse.code_lines), found once."""
         if self._code is None:
             self._code = code_lines(self.clean, self.text)
         return self._code
@@ -376,7 +376,7 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
                 matched |= set(log.scan(p))
         unless = comp.unless.get(s.id)
         if matched:
-            matched -= log.code  # a frame's source line quotes the words; the run did not print them
+            matched -= log.code  # IPython's source around a frame quotes the words; the run did not print them
         if matched and unless:
             # What the `unless` patterns match is cut from the line; the signal counts if it still matches the rest.
             matched = {i for i in matched if _still(log.clean[i], pats, unless)}
