@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 FIELDS = ("step", "loss", "eval_loss", "grad_norm", "lr", "loss_scale", "epoch", "run_end")
 
@@ -209,7 +209,7 @@ class Metric:
     source: str = ""  # which reader found it: dict, json, pairs, table, scale-cut, tqdm
     named: dict[str, float] = field(default_factory=dict)  # normalised key -> value, for keys key_kind names
     loss_key: str = ""  # the key the loss was logged under (normalised): 'loss' and 'avg loss' are two series
-    seen_as: int = 0  # hash of the line as the readers saw it (clean_line): a redraw repeats it under a new timestamp
+    seen_as: int | None = None  # hash of the line as the readers saw it (clean_line): a redraw repeats it under a new timestamp
 
     def has(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -457,24 +457,30 @@ def carries(m: Metric) -> bool:
                 or m.loss_scale is not None or m.run_end is not None)
 
 
-def parse_text(text: str, keys: KeyMap, *, code: set[int] | None = None) -> list[Metric]:
+def parse_text(text: str, keys: KeyMap, *, lines: list[str] | None = None, cleaned: list[str] | None = None,
+               code: set[int] | None = None) -> list[Metric]:
     """Every line of a log that carries a known metric, in log order (a whole trainer_state.json too).
-    `code`: the 0-based lines IPython printed as source around a frame (code_lines), when the caller has them."""
+    A caller that already split and cleaned the text passes its lines, their clean_lines and their code_lines."""
     whole = _load_object(text.strip()) if text.lstrip().startswith("{") else None
     if whole is not None and isinstance(whole.get("log_history"), list):
         return parse_records(whole["log_history"], keys)
-    lines = split_lines(text)
-    cleaned = clean_lines(lines)
+    lines = split_lines(text) if lines is None else lines
+    cleaned = clean_lines(lines) if cleaned is None else cleaned
     code = code_lines(cleaned) if code is None else code
-    table = MetricTable(keys)
-    out: list[Metric] = []
-    for i, (line, clean) in enumerate(zip(lines, cleaned), 1):
-        if not may_carry(clean, table) or i - 1 in code:
+    return dedupe(list(line_metrics(lines, cleaned, code, keys, MetricTable(keys))))
+
+
+def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: KeyMap, table: MetricTable,
+                 first_line: int = 1) -> Iterator[Metric]:
+    """The Metric of each line that carries one, in order, not yet deduplicated: `cleaned` are the lines as
+    clean_lines gives them, `code` the indices IPython printed as source (skipped), `table` the table reader's
+    state (kept across the chunks of a streamed log), `first_line` the number of lines[0] in the whole log."""
+    for i, clean in enumerate(cleaned):
+        if not may_carry(clean, table) or i in code:
             continue
-        m = parse_line(Metric(i, line, seen_as=hash(clean)), keys, clean, table)
+        m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
         if carries(m):
-            out.append(m)
-    return dedupe(out)
+            yield m
 
 
 # IPython's traceback frame header: IPython 8's `File /x/trainer.py:2555, in Trainer._inner_training_loop(...)` and
@@ -569,9 +575,14 @@ def dedupe(metrics: list[Metric]) -> list[Metric]:
 def same_record(a: Metric, b: Metric) -> bool:
     """Whether b repeats a (the same step's numbers, as a tqdm redraw prints them twice)."""
     if a.step is None or b.step is None or a.step != b.step:
-        return a.seen_as == b.seen_as and (a.seen_as != 0 or a.text == b.text)
+        return _seen(a) == _seen(b)
     return all(_eq(getattr(a, f), getattr(b, f)) for f in ("loss", "grad_norm", "eval_loss")) and (
         a.named.keys() == b.named.keys() and all(_eq(a.named[k], b.named[k]) for k in a.named))
+
+
+def _seen(m: Metric) -> int:
+    """The line as the readers saw it (a record built without one: its text)."""
+    return hash(m.text) if m.seen_as is None else m.seen_as
 
 
 def _eq(x: float | None, y: float | None) -> bool:

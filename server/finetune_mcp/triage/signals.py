@@ -20,9 +20,9 @@ from typing import Any
 import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
-from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, carries, clean_line, clean_lines, code_lines, decode_log, is_setting, log_encoding,
-                                      may_carry, normalise_key, parse_line, parse_records, parse_text, same_record, split_lines,
-                                      to_number)
+from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, clean_line, clean_lines, code_lines, decode_log, is_setting,
+                                      line_metrics, log_encoding, normalise_key, parse_records, parse_text, same_record,
+                                      split_lines, to_number)
 
 SKILL = "dgx-spark-ops"
 MAX_LINES_PER_HIT = 12
@@ -1018,7 +1018,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     for k, h in exit_hits(comp, code, sig_no, stopped_by).items():
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
-    metrics = parse_text(text, comp.keys, code=log.code)
+    metrics = parse_text(text, comp.keys, lines=log.lines, cleaned=log.clean, code=log.code)
     _merge_hits(by_id, number_hits(metrics, comp))
     _merge_hits(by_id, nonfinite_metric_hits(log, comp))
     marked: set[int] = set()
@@ -1062,7 +1062,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     code, sig_no, stopped_by = exit_fields(exit_info)
     by_id: dict[str, Hit] = {}
     rules = NumberRules(comp)
-    table_state = _TableState(comp.keys)
+    metric_table = MetricTable(comp.keys)  # a table header read in one chunk holds for the next
     markers: list[tuple[int, str]] = []
     exc: tuple[int, str] | None = None
     head: int | None = None
@@ -1100,13 +1100,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             threads.feed(log)
             bar_done = last_bar_done(log) or bar_done
             tail_metrics = []
-            table = table_state.table
-            code = log.code
-            for i, clean in enumerate(log.clean):
-                if not may_carry(clean, table) or i in code:
-                    continue
-                m = table_state.parse(Metric(i + first_line, log.lines[i], seen_as=hash(clean)), clean)
-                if m is None or (prev is not None and same_record(prev, m)):
+            for m in line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line):
+                if prev is not None and same_record(prev, m):
                     continue
                 rules.feed(m)
                 tail_metrics.append(m)
@@ -1127,17 +1122,6 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     cut_short = head is not None and (exc is None or exc[0] < head)
     return Findings(list(by_id.values()), tail_metrics, markers, exc, cut_short, code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done)
-
-
-class _TableState:
-    """parse_line with its table reader kept across chunks; None for a line that carries no metric."""
-
-    def __init__(self, keys: KeyMap):
-        self.keys, self.table = keys, MetricTable(keys)
-
-    def parse(self, m: Metric, clean: str) -> Metric | None:
-        parse_line(m, self.keys, clean, self.table)
-        return m if carries(m) else None
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
