@@ -62,6 +62,23 @@ def test_pipe_and_box_tables():
     assert [m.loss for m in box if m.loss is not None] == [0.32971]
 
 
+def test_comma_separated_tables_keras_csvlogger_and_a_log_history_export():
+    # Keras' CSVLogger writes `epoch,<metric>,...` then one row per epoch (dev11t-003's header and first row).
+    rows = ["epoch,loss,mean_absolute_error", "0,nan,2.6154770585594536e+34", "1,nan,0.9534672"]
+    metrics = parse_text("\n".join(rows) + "\n", KEYS)
+    assert [m.line for m in metrics] == [2, 3] and all(math.isnan(m.loss) for m in metrics)
+    # A Trainer's log_history written as CSV (dev10o-006): empty cells where a record lacks a key.
+    hist = (LOGS / "none--dev10o-006.log").read_text().split("\n")
+    metrics = parse_text("\n".join(hist[:4]) + "\n", KEYS)
+    assert [(m.step, m.loss) for m in metrics] == [(1.0, 1.1682), (10.0, 0.868), (20.0, 0.6473)]
+    assert math.isnan(metrics[1].grad_norm) and metrics[0].grad_norm == pytest.approx(4.966434955596924)
+    # A sentence with commas is no header, and a row only follows a header read as CSV.
+    assert parse_text("Loading data, model, tokenizer\n0,1.5,2.0\n", KEYS) == []
+    # srun --label's task number before each line: the rows are read as without it.
+    labelled = parse_text("\n".join("0: " + r for r in rows) + "\n", KEYS)
+    assert [m.line for m in labelled] == [2, 3] and all(math.isnan(m.loss) for m in labelled)
+
+
 def test_megatron_iteration_lines_as_its_format_string_prints_them():
     # megatron/training/training.py training_log: ' iteration {:8d}/{:8d} |' ... ' lm loss: {:.6E} |' ' loss scale: {:.1f} |' ' grad norm: {:.3f} |'
     line = (f" iteration {3384:8d}/{8000:8d} | consumed samples: {216576:12d} | learning rate: {6.678e-06:.3E} |"

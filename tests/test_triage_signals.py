@@ -389,6 +389,19 @@ def test_a_nan_grad_norm_the_run_logged_finite_ones_after_was_a_skipped_step():
     assert "nonfinite-grad-norm" in _ids(recs + [Metric(n + 2, "c", step=900, loss=float("nan"), grad_norm=3.9)])
 
 
+def test_grad_norms_nan_every_few_steps_to_the_end_while_the_loss_falls_were_skipped_steps():
+    # An fp16 run's HF log history (dev10o-006): the norm is NaN at one log in three, the last one included.
+    n, nan = RULES.nonfinite_recovered_logs, float("nan")
+    norms = [1.2, nan, 0.8, 1.1, nan, 0.9, 1.0, nan] * n
+    recs = [Metric(i + 1, f"l{i}", step=10 * i, loss=1.0 - 0.01 * i, grad_norm=g) for i, g in enumerate(norms)]
+    assert "nonfinite-grad-norm" not in _ids(recs)
+    # NaN at the last n logs in a row: the scaler skips every step now (or the norm broke for good).
+    tail = [Metric(len(recs) + j + 1, "t", step=900 + j, loss=0.5, grad_norm=nan) for j in range(n)]
+    assert "nonfinite-grad-norm" in _ids(recs + tail)
+    # Never a finite norm after the first NaN: nothing was skipped and recovered.
+    assert "nonfinite-grad-norm" in _ids(recs[:1] + [Metric(90 + j, "t", step=90 + j, loss=0.5, grad_norm=nan) for j in range(2 * n)])
+
+
 def test_a_loss_that_only_looks_flat():
     n = RULES.flat_identical_run
     moving = [Metric(i, "x", step=i, loss=0.0, grad_norm=0.2 + i / 100) for i in range(1, n + 2)]

@@ -3,8 +3,8 @@
 Each line that carries a known metric becomes one Metric. The formats read: Python-dict lines (HF
 Trainer, ms-swift, Axolotl; also inside tqdm redraws and markdown quotes), JSON lines and a whole
 trainer_state.json (log_history), `key=value` / `key: value` / `key value` pairs (Megatron, DeepSpeed,
-verl, MLX, Keras, torchtune, plain prints), pipe-separated tables with a header row, and DeepSpeed /
-apex loss-scale cuts. Which key means which metric is data: the `metric_keys` of the failure-signals
+verl, MLX, Keras, torchtune, plain prints), pipe-, tab- and comma-separated tables with a header row
+(Keras' CSVLogger, a log history saved as CSV), and DeepSpeed / apex loss-scale cuts. Which key means which metric is data: the `metric_keys` of the failure-signals
 table. The parsers are the standard library's own (json, ast.literal_eval) plus one pair regex.
 """
 
@@ -403,15 +403,37 @@ _NUMBER_CELL = re.compile(r"(?:^|[|│\t])\s*[-+]?\.?\d")
 _METRIC_WORD = re.compile(r"loss|norm|scal|lr\b|learning|kl|perplexity|ppl|step|iter", re.I)
 
 
+# A CSV file's header (Keras' CSVLogger `epoch,loss,val_loss`, Lightning's metrics.csv, a trainer's log history
+# exported by pandas, whose index column has no name): names and commas, no spaces.
+_CSV_HEADER = re.compile(r"[A-Za-z_]?[\w/.\-]*(?:,[\w/.\-]*)+")
+
+
+# srun --label's task number before a CSV row (`0: 3,0.52,0.61`): the prefix cleaner leaves a number before a
+# number (`12: 0.5` may be a key and its value), but under a CSV header a row is one cell list, no spaces.
+_TASK_LABEL = re.compile(r"^\s*\d{1,4}:[ \t]+(?=\S+$)")
+
+
 class MetricTable:
-    """A pipe- or tab-separated table: a header row of words, then rows of numbers."""
+    """A pipe-, tab- or comma-separated table: a header row of words, then rows of numbers."""
 
     def __init__(self, keys: KeyMap):
         self.keys = keys
         self.columns: list[str | None] | None = None
+        self.csv = False  # the header read was a CSV one: its rows have commas and no other separator
+
+    def _sep(self, line: str) -> str | None:
+        if line.count("|") >= 2:
+            return "|"
+        if "\t" in line:
+            return "\t"
+        if "," in line and " " not in line.strip() and ((self.csv and self.columns is not None) or _CSV_HEADER.fullmatch(line.strip())):
+            return ","
+        return None
 
     def feed(self, m: Metric, line: str) -> bool:
-        sep = "|" if line.count("|") >= 2 else "\t" if line.count("\t") >= 1 else None
+        if self.csv and self.columns is not None:
+            line = _TASK_LABEL.sub("", line)
+        sep = self._sep(line)
         if sep is None:
             self.columns = None
             return False
@@ -419,6 +441,7 @@ class MetricTable:
         if not _NUMBER_CELL.search(line) and all(to_number(c) is None for c in cells if c) and any(
                 self.keys.field_of(c) or self.keys.kind_of(c) for c in cells):
             self.columns = [c if (self.keys.field_of(c) or self.keys.kind_of(c)) else None for c in cells]
+            self.csv = sep == ","
             return False
         if self.columns is None or len(cells) != len(self.columns):
             return False
@@ -536,7 +559,7 @@ _INTERRUPTED = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b|Detected
 def may_carry(clean: str, table: "MetricTable") -> bool:
     """False for a line no reader can take a metric from (most lines of a big log), or one that prints a
     setting (is_setting); a line with no separator ends a table."""
-    if "|" not in clean and "\t" not in clean and "│" not in clean:
+    if "|" not in clean and "\t" not in clean and "│" not in clean and not (table.csv and "," in clean):
         table.columns = None
     elif table.columns is not None:
         return not is_setting(clean)  # a row of the table whose header was read

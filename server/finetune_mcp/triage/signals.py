@@ -633,6 +633,8 @@ class NumberRules:
         self.nonfinite_names: dict[str, int] = {}
         self.grad_bad: list[Metric] = []
         self.grad_finite_after = 0  # finite grad norms logged since the last non-finite one
+        self.grad_finite_since = 0  # finite grad norms logged since the first non-finite one
+        self.grad_last: deque[bool] = deque(maxlen=max(1, comp.table.records.nonfinite_recovered_logs))  # latest norms: finite?
         self.zero_nan: list[Metric] = []
         self.series: dict[str, _Series] = {}
         self.closed_series: list[_Series] = []  # the series of runs a restart closed
@@ -763,6 +765,7 @@ class NumberRules:
                     se = self.series[key] = _Series(self.r, name)
                 se.feed(m, v)
         for name, v in grads:
+            self.grad_last.append(math.isfinite(v))
             if not math.isfinite(v):
                 self.grad_finite_after = 0
                 if len(self.grad_bad) < MAX_LINES_PER_HIT and (not self.grad_bad or self.grad_bad[-1] is not m):
@@ -774,6 +777,7 @@ class NumberRules:
                 self.big_max = max(self.big_max, v)
             if math.isfinite(v):
                 self.grad_finite_after += 1
+                self.grad_finite_since += 1 if self.grad_bad else 0
                 self.grad_norm_max = v if self.grad_norm_max is None else max(self.grad_norm_max, v)
         if m.loss == 0 and m.grad_norm is not None and math.isnan(m.grad_norm) and len(self.zero_nan) < MAX_LINES_PER_HIT:
             self.zero_nan.append(m)
@@ -863,6 +867,16 @@ class NumberRules:
                 return
             self.flat = (self.run_vals[:MAX_LINES_PER_HIT], f"the loss stays at exactly {v:g} for {len(self.run_vals)} consecutive logs")
 
+    def _grad_transient(self) -> bool:
+        """NaN/inf grad norms that were steps the fp16 loss scaler skipped, not the run diverging: the loss
+        stayed finite, and the run logged nonfinite_recovered_logs finite norms after its last bad one, or as
+        many between and after its bad ones with a finite one among the latest (a norm NaN every few steps
+        while the loss falls, to the end of training, as HF log histories of fp16 runs show)."""
+        n = self.r.nonfinite_recovered_logs
+        if not n or self.nonfinite:
+            return False
+        return self.grad_finite_after >= n or (self.grad_finite_since >= n and any(self.grad_last))
+
     def summary(self) -> dict:
         out: dict = {"records": self.records, "losses": self.losses}
         if self.loss_first is not None:
@@ -888,8 +902,7 @@ class NumberRules:
 
         grad_names = {k for k in self.nonfinite_names if "norm" in k}
         add("nonfinite-loss", self.nonfinite, f"non-finite (NaN or inf) values in {names(lambda k: k not in grad_names)}")
-        if self.grad_finite_after < self.r.nonfinite_recovered_logs or not self.r.nonfinite_recovered_logs or self.nonfinite:
-            # A NaN grad norm the run logged finite ones after (and no NaN loss) was a step fp16 loss scaling skipped.
+        if not self._grad_transient():
             add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
         every = [(se.name, se) for se in self.closed_series + list(self.series.values())]
