@@ -79,6 +79,24 @@ def test_comma_separated_tables_keras_csvlogger_and_a_log_history_export():
     assert [m.line for m in labelled] == [2, 3] and all(math.isnan(m.loss) for m in labelled)
 
 
+def test_an_epoch_announced_on_its_own_line_belongs_to_the_records_under_it():
+    # Keras 2's model.fit: `Epoch 2/20`, then the epoch's last batch line, whose `211/211` is the same every epoch.
+    text = "".join(f"Epoch {e}/20\n211/211 [======] - 3s 16ms/step - loss: inf - accuracy: 0.{e}\n" for e in (1, 2, 3))
+    metrics = parse_text(text, KEYS)
+    assert [(m.line, m.epoch) for m in metrics] == [(2, 1.0), (4, 2.0), (6, 3.0)]  # three epochs, not one redrawn
+    # A record that names its own epoch keeps it; a tqdm redraw of one step in one epoch is still one record.
+    assert parse_text("Epoch 4/20\nepoch: 7 loss: 0.5\n", KEYS)[0].epoch == 7.0
+    assert len(parse_text("Epoch 1/2\n5/9 - loss: 0.52\n5/9 - loss: 0.52\n", KEYS)) == 1
+
+
+def test_cost_and_perplexity_keys():
+    # Gradient descent as courses print it (d12y-013): `Iteration    9: Cost 8.62e+15`.
+    assert _one("Iteration    9: Cost 8.62e+15  dj_dw:  8.236e+07, dj_db:  3.623e+07").loss == 8.62e15
+    m = _one("| epoch  10 |  1800/ 2983 batches | lr 1.2500 | ms/batch 11.38 | loss  7.14 | ppl  1264.60")
+    assert (m.loss, m.named) == (7.14, {"ppl:ppl": 1264.6})
+    assert _one("Total Cost: 2").loss is None  # a count, not a cost function
+
+
 def test_megatron_iteration_lines_as_its_format_string_prints_them():
     # megatron/training/training.py training_log: ' iteration {:8d}/{:8d} |' ... ' lm loss: {:.6E} |' ' loss scale: {:.1f} |' ' grad norm: {:.3f} |'
     line = (f" iteration {3384:8d}/{8000:8d} | consumed samples: {216576:12d} | learning rate: {6.678e-06:.3E} |"

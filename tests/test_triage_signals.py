@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune_mcp.triage.classify import classify_text
 from finetune_mcp.triage.parse import Metric, parse_line, parse_text
 from finetune_mcp.triage.signals import compiled, exit_fields, find, load_signal_table, number_hits
 
@@ -119,6 +120,10 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("deepspeed.ops.op_builder.builder.MissingCUDAException: CUDA_HOME does not exist, unable to compile CUDA op(s)", "cuda-toolkit-missing"),
     ("RuntimeError: Error building extension 'fused_adam'", "extension-build-failed"),
     ("ImportError: cannot import name 'SFTConfig' from 'trl'", "python-import-error"),
+    ("Warning: Failed to set CUDA device 0: Unexpected error from cudaGetDeviceCount(). Error 803: system has unsupported "
+     "display driver / cuda driver combination", "driver-too-old"),
+    ("[[2.307283878326416, 35.845733642578125, 1.4034062829000125e+29, nan, nan, nan, nan, nan, nan], [nan, nan]]",
+     "nonfinite-printout"),
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
@@ -320,6 +325,35 @@ def test_a_nan_that_recovers_is_a_transient_but_one_that_stays_is_not():
     short = "".join(later.splitlines(keepends=True)[: n - 1])
     assert "nonfinite-metric" in _find_ids(first + short)  # fewer finite prints than the table asks: not yet recovered
     assert "nonfinite-metric" in _find_ids(later + first)  # NaN last: nothing recovered
+
+
+def _keras_epochs(losses, val=None) -> str:
+    """model.fit's output as Keras 2 prints it: an `Epoch i/n` line, then the epoch's last batch line."""
+    out = []
+    for i, v in enumerate(losses, 1):
+        out.append(f"Epoch {i}/{len(losses)}")
+        out.append(f"211/211 [==============================] - 3s 16ms/step - loss: {v} - accuracy: 0.{i:02d}"
+                   + (f" - val_loss: {val[i - 1]}" if val else ""))
+    return "\n".join(out) + "\n"
+
+
+def test_nan_grad_norms_of_skipped_fp16_steps_are_set_aside_in_any_format_but_a_nan_loss_never():
+    n, nan = RULES.nonfinite_recovered_logs, float("nan")
+    norms = [1.2, nan, 0.8, 1.1, nan, 0.9, 1.0, nan] * n
+    dicts = "".join(f"{{'loss': {1.0 - 0.01 * i:.4f}, 'grad_norm': {g}, 'learning_rate': 2e-05, 'epoch': {i / 100:.2f}}}\n"
+                    for i, g in enumerate(norms))
+    f = find(dicts)
+    assert "nonfinite-grad-norm" not in {h.id for h in f.hits} and [h.id for h in f.transient] == ["nonfinite-grad-norm"]
+    c = classify_text(dicts)
+    assert c.failure_class == "none" and c.runner_up.failure_class == "divergence"  # never silent: named and shown
+    assert any("'grad_norm': nan" in text for _, text in c.evidence) and "skipped" in c.reason
+    # Megatron's own count of NaN iterations is no record: it keeps the hit.
+    assert "nonfinite-grad-norm" in _find_ids(dicts + "number of nan iterations: 3\n")
+    # Keras' `loss: inf` for the epochs whose running mean took an overflowed batch, finite after (d12y-012): a
+    # NaN/inf loss is never set aside, whatever follows.
+    keras = "".join(f"Epoch {e}/9\n211/211 [======] - 3s 16ms/step - loss: {'inf' if e < 4 else 1.2 - 0.1 * e:.4} - accuracy: 0.{e}\n"
+                    for e in range(1, 10))
+    assert "nonfinite-loss" in _find_ids(keras) and classify_text(keras).failure_class == "divergence"
 
 
 def test_an_undefined_evaluation_score_is_no_divergence():

@@ -182,6 +182,10 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
     if outlived:
         ids = ", ".join(f"{h.id} (last at line {h.last_line})" for h in _order(outlived))
         dropped_note += (f" Set aside, the run logged {f.table.records.went_on_records} or more records after them: {ids}.")
+    if f.transient:
+        ids = ", ".join(f"{h.id} (last at line {h.last_line})" for h in _order(f.transient))
+        dropped_note += (f" Set aside as steps the fp16 loss scaler skipped, the NaN/inf grad norms came between finite "
+                         f"ones, with the loss finite throughout: {ids}.")
     # A stop the log went on past (a notebook cell interrupted, then run again) is not how the log ends.
     stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped" and not f.outlived(h)]
     scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}
@@ -227,6 +231,12 @@ def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -
         conf = min(conf, 0.7)
         runner_up = RunnerUp("environment", 0.25, f"the error at line {first} if it did stop part of the run (a worker, an "
                                                   f"upload, a callback) - check what it belonged to")
+    elif f.transient:
+        # Never silent: the NaN grad-norm lines are shown, and divergence is what they would mean if they were not skips.
+        extra = [ln for h in _order(f.transient) for ln in h.lines[:2]]
+        conf = min(conf, 0.7)
+        runner_up = RunnerUp("divergence", 0.25, f"the NaN/inf grad norm at line {extra[0][0]} if the run does not use fp16 "
+                                                 f"loss scaling (bf16/fp32 never skip a step) - then the gradients broke")
     return Classification("none", reason, _evidence(benign, extra), [h.id for h in _order(benign)], None, "healthy", conf,
                           runner_up, _missing("none", benign, f, False), summary)
 

@@ -161,12 +161,14 @@ def clean_lines(lines: list[str]) -> list[str]:
 
 
 def key_kind(key: str) -> str | None:
-    """What a key outside metric_keys carries, by its name: 'loss', 'eval_loss', 'grad_norm', 'loss_scale', 'kl' or None.
+    """What a key outside metric_keys carries, by its name: 'loss', 'eval_loss', 'grad_norm', 'loss_scale', 'kl', 'ppl' or None.
 
     `mtp 1 loss`, `value loss`, `actor pg loss`, `loss a` are losses; `model grad norm`, `grad norm actor`
     grad norms; `grad scale`, `loss scaler`, `scaler`, `scale_g` loss scales; `kl`, `approx kl` a KL (checked for
     NaN only). Config-like names (`max grad norm`, `init loss scale`, `kl coef`, `loss weight`) are
     settings, not measurements (and a best-so-far tracker's starting +inf is no loss, see _assign); a statistic after the name (`actor loss median`) is still the metric.
+    `ppl`, `valid perplexity`: exp(loss), printed with more digits than the loss beside it (read only to tell
+    a loss rounded to the same print from weights that stopped moving).
     """
     toks = normalise_key(_CAMEL.sub(" ", str(key))).split()  # DecoderLoss -> decoder loss
     if not toks or toks[0] in _SETTING_FIRST or any(t in _SETTING_WORDS for t in toks) or len(toks) > 6:
@@ -177,6 +179,8 @@ def key_kind(key: str) -> str | None:
         if "scale" in toks or "scaler" in toks:
             return "loss_scale"
         return "eval_loss" if any(t in ("eval", "val", "valid", "validation", "test", "dev") for t in toks) else "loss"
+    if "ppl" in toks or "perplexity" in toks:
+        return "ppl"
     if any(t.startswith("grad") for t in toks) and any(t.endswith("norm") for t in toks) or "gnorm" in toks:
         return "grad_norm"
     # scale_g / scale_d: a GAN's two AMP scalers, one per network
@@ -420,6 +424,7 @@ class MetricTable:
         self.keys = keys
         self.columns: list[str | None] | None = None
         self.csv = False  # the header read was a CSV one: its rows have commas and no other separator
+        self.epoch: float | None = None  # the epoch the last `Epoch 3/10` line announced
 
     def _sep(self, line: str) -> str | None:
         if line.count("|") >= 2:
@@ -499,11 +504,20 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
     clean_lines gives them, `code` the indices IPython printed as source (skipped), `table` the table reader's
     state (kept across the chunks of a streamed log), `first_line` the number of lines[0] in the whole log."""
     for i, clean in enumerate(cleaned):
+        if "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
+            table.epoch = float(head.group(1))  # Keras' `Epoch 3/10`: the records under it are that epoch's
+            continue
         if not may_carry(clean, table) or i in code:
             continue
         m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
         if carries(m):
+            if m.epoch is None:
+                m.epoch = table.epoch
             yield m
+
+
+# A line that only announces the epoch its next records belong to (Keras' model.fit, many plain loops).
+_EPOCH_HEADER = re.compile(r"\s*Epoch\s*:?\s*(\d+)\s*/\s*\d+\s*:?\s*$", re.I)
 
 
 # IPython's traceback frame header: IPython 8's `File /x/trainer.py:2555, in Trainer._inner_training_loop(...)` and
@@ -596,10 +610,11 @@ def dedupe(metrics: list[Metric]) -> list[Metric]:
 
 
 def same_record(a: Metric, b: Metric) -> bool:
-    """Whether b repeats a (the same step's numbers, as a tqdm redraw prints them twice)."""
+    """Whether b repeats a (the same step's numbers, as a tqdm redraw prints them twice); Keras' last batch of
+    each epoch (`211/211 ... loss: inf`) is another record when the epoch differs."""
     if a.step is None or b.step is None or a.step != b.step:
         return _seen(a) == _seen(b)
-    return all(_eq(getattr(a, f), getattr(b, f)) for f in ("loss", "grad_norm", "eval_loss")) and (
+    return all(_eq(getattr(a, f), getattr(b, f)) for f in ("loss", "grad_norm", "eval_loss", "epoch")) and (
         a.named.keys() == b.named.keys() and all(_eq(a.named[k], b.named[k]) for k in a.named))
 
 

@@ -329,6 +329,7 @@ class Findings:
     record_lines: list[int] = field(default_factory=list)  # line numbers of the last metric records (went_on_records at most)
     threads: Threads = field(default_factory=Threads)
     bar_done: int | None = None  # the last line where a progress bar reached its total
+    transient: list[Hit] = field(default_factory=list)  # NaN grad norms of steps the fp16 scaler skipped: set aside
 
     def _records_after(self, line: int) -> bool:
         """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
@@ -495,11 +496,12 @@ def _significant_digits(v: float) -> int:
     return len(digits.rstrip("0")) or 1
 
 
-def _weights_move(records) -> bool:
+def _weights_move(records, ppl: bool = True) -> bool:
     """The records say the weights are moving, whatever the loss print says: a grad norm that is positive and
     not the same every time, or another loss logged beside it (`Train L1 Loss`, `value_loss`, or a validation
-    loss: the same weights score the same held-out data the same) that changes from record to record. A loss
-    pinned at one value while its neighbour moves is one term at its floor, or a print rounding it to 0.0000."""
+    loss: the same weights score the same held-out data the same) or a perplexity (exp of the loss, printed with
+    more digits: `loss  7.14 | ppl  1264.60`) that changes from record to record. A loss pinned at one value
+    while its neighbour moves is one term at its floor, or a print rounding it to 0.0000 or to two decimals."""
     if len({x.grad_norm for x in records if _finite(x.grad_norm) and x.grad_norm > 0}) > 1:
         return True
     if len({x.eval_loss for x in records if _finite(x.eval_loss)}) > 1:
@@ -507,17 +509,33 @@ def _weights_move(records) -> bool:
     others: dict[str, set[float]] = {}
     for x in records:
         for k, v in x.named.items():
-            if k.startswith(("loss:", "eval_loss:")) and _finite(v):
+            if k.startswith(("loss:", "eval_loss:", "ppl:") if ppl else ("loss:", "eval_loss:")) and _finite(v):
                 others.setdefault(k, set()).add(v)
     return any(len(vals) > 1 for vals in others.values())
 
 
 def number_hits(metrics: list[Metric], comp: Compiled) -> list[Hit]:
     """The records rules of the table applied to parsed metrics; each hit quotes the lines it rests on."""
+    return _number_rules(metrics, comp).hits()
+
+
+def _number_rules(metrics: list[Metric], comp: Compiled) -> "NumberRules":
     rules = NumberRules(comp)
     for m in metrics:
         rules.feed(m)
-    return rules.hits()
+    return rules
+
+
+def _set_aside_transients(by_id: dict[str, Hit], rules: "NumberRules") -> list[Hit]:
+    """Take out the word hits of nonfinite-grad-norm when the records say those NaN grad norms were steps the
+    fp16 scaler skipped and every line they quote is one of those records, so HF Trainer's `'grad_norm': nan`
+    dicts read as its log history saved as CSV does; Megatron's "number of nan iterations" or any other line
+    keeps the hit. A NaN/inf loss is never set aside: numbers that went wrong stay wrong."""
+    lines = rules.transient_lines()
+    hit = next((h for h in by_id.values() if h.signal.records_rule == "nonfinite-grad-norm"), None)
+    if lines and hit is not None and hit.last_line in lines and all(n in lines for n, _ in hit.lines):
+        return [by_id.pop(hit.id)]
+    return []
 
 
 class _Series:
@@ -631,6 +649,9 @@ class NumberRules:
         self.r = comp.table.records
         self.nonfinite: list[Metric] = []
         self.nonfinite_names: dict[str, int] = {}
+        # Lines of the records that logged a non-finite grad norm (to tell a word hit on those very lines, which
+        # a skipped fp16 step explains, from a framework's own NaN check); None once past MAX_TRANSIENT_LINES.
+        self.grad_bad_lines: set[int] | None = set()
         self.grad_bad: list[Metric] = []
         self.grad_finite_after = 0  # finite grad norms logged since the last non-finite one
         self.grad_finite_since = 0  # finite grad norms logged since the first non-finite one
@@ -656,7 +677,7 @@ class NumberRules:
         self.run_vals: list[Metric] = []
         self.flat: tuple[list[Metric], str] | None = None
         self.recent: deque[Metric] = deque(maxlen=self.r.flat_repeat_window)
-        self.recent_vals: deque[float] = deque(maxlen=self.r.flat_repeat_window)
+        self.recent_vals: deque[tuple[float, ...]] = deque(maxlen=self.r.flat_repeat_window)  # (loss, its perplexities)
         self.seen_windows: dict[tuple[float, ...], tuple[int, int, str]] = {}
         self.finite_count = 0
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
@@ -768,6 +789,10 @@ class NumberRules:
             self.grad_last.append(math.isfinite(v))
             if not math.isfinite(v):
                 self.grad_finite_after = 0
+                if self.grad_bad_lines is not None:
+                    self.grad_bad_lines.add(m.line)
+                    if len(self.grad_bad_lines) > MAX_TRANSIENT_LINES:
+                        self.grad_bad_lines = None
                 if len(self.grad_bad) < MAX_LINES_PER_HIT and (not self.grad_bad or self.grad_bad[-1] is not m):
                     self.grad_bad.append(m)
                 self.nonfinite_names[name] = self.nonfinite_names.get(name, 0) + 1
@@ -841,14 +866,17 @@ class NumberRules:
             self.run_vals = []
         self.run_vals.append(m)
         self.recent.append(m)
-        self.recent_vals.append(m.loss)
+        # A perplexity beside the loss is part of what must recur: `loss 7.14 | ppl 1264.60` then `loss 7.14 |
+        # ppl 1259.47` is the same rounded loss from other weights.
+        self.recent_vals.append((m.loss, *(v for k, v in m.named.items() if k.startswith("ppl:"))))
         if len(self.recent_vals) == r.flat_repeat_window:
             key = tuple(self.recent_vals)
             i = self.finite_count - r.flat_repeat_window
             have = self.seen_windows.get(key)
             # (The same losses at the same steps are a replay, which feed() already restarted the run for.)
-            if (have is not None and i >= have[0] + r.flat_repeat_window and not _weights_move(self.recent)
-                    and max(_significant_digits(x) for x in key) >= 3 and not self._converged(key)):
+            losses = [x[0] for x in key]
+            if (have is not None and i >= have[0] + r.flat_repeat_window and not _weights_move(self.recent, ppl=False)
+                    and max(_significant_digits(x) for x in losses) >= 3 and not self._converged(losses)):
                 first = Metric(have[1], have[2])
                 self.flat = ([first] + list(self.recent), f"the same {r.flat_repeat_window} losses recur exactly (from line {first.line} "
                                                           f"and again from {self.recent[0].line}): the weights are not changing")
@@ -866,6 +894,10 @@ class NumberRules:
                 # norm that moves beside it says so outright (a GRPO loss logs 0.0 while the policy learns).
                 return
             self.flat = (self.run_vals[:MAX_LINES_PER_HIT], f"the loss stays at exactly {v:g} for {len(self.run_vals)} consecutive logs")
+
+    def transient_lines(self) -> set[int]:
+        """The lines of the NaN/inf grad norms the run recovered from (see _grad_transient); empty if it did not."""
+        return (self.grad_bad_lines or set()) if self._grad_transient() else set()
 
     def _grad_transient(self) -> bool:
         """NaN/inf grad norms that were steps the fp16 loss scaler skipped, not the run diverging: the loss
@@ -942,6 +974,8 @@ class NumberRules:
         return out
 
 
+# Lines of non-finite records remembered to set a transient's word hits aside; past this many, none are.
+MAX_TRANSIENT_LINES = 4096
 # Windows remembered for the recurring-losses rule: a repeat further apart than this many logs goes unseen.
 MAX_WINDOWS = 20_000
 # Loss series of earlier runs in one log kept for their own spikes and rise (a log of more runs keeps the first).
@@ -1032,7 +1066,9 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
     metrics = parse_text(text, comp.keys, lines=log.lines, cleaned=log.clean, code=log.code)
-    _merge_hits(by_id, number_hits(metrics, comp))
+    rules = _number_rules(metrics, comp)
+    _merge_hits(by_id, rules.hits())
+    transient = _set_aside_transients(by_id, rules)
     _merge_hits(by_id, nonfinite_metric_hits(log, comp))
     marked: set[int] = set()
     for m in comp.markers:
@@ -1049,7 +1085,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
-                    threads=threads, bar_done=bar_done)
+                    threads=threads, bar_done=bar_done, transient=transient)
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -1128,13 +1164,15 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
     _merge_hits(by_id, rules.hits())
+    transient = _set_aside_transients(by_id, rules)
     dropped: list[Hit] = []
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     cut_short = head is not None and (exc is None or exc[0] < head)
     return Findings(list(by_id.values()), tail_metrics, markers, exc, cut_short, code, sig_no, stopped_by, dropped, comp.table,
-                    summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done)
+                    summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
+                    transient=transient)
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
