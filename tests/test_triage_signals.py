@@ -356,6 +356,16 @@ def test_nan_grad_norms_of_skipped_fp16_steps_are_set_aside_in_any_format_but_a_
     assert "nonfinite-loss" in _find_ids(keras) and classify_text(keras).failure_class == "divergence"
 
 
+def test_an_epoch_index_before_a_key_is_not_part_of_its_name():
+    # MXNet's Speedometer (d12z-008): an epoch-end summary of a metric it had just reset prints nan; the same key
+    # printed finite by the batches after it recovered, whatever the epoch index printed in front.
+    n = RULES.nonfinite_recovered_logs
+    text = "Epoch[0] Train-SmoothL1=nan\n" + "".join(
+        f"Epoch[1] Batch [{100 * b}]\tSpeed: 35.68 samples/sec\tTrain-SmoothL1={1.6 - 0.1 * b:.6f}\n" for b in range(1, n + 1))
+    assert "nonfinite-metric" not in _find_ids(text)
+    assert "nonfinite-metric" in _find_ids(text + "Epoch[2] Train-SmoothL1=nan\n")  # NaN last: not recovered
+
+
 def test_an_undefined_evaluation_score_is_no_divergence():
     # sklearn returns nan for kappa / AUC / a correlation when a fold holds one class (UndefinedMetricWarning).
     for key in ("kappa", "auc", "mcc", "pearson", "spearman"):

@@ -392,6 +392,8 @@ _NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\
                              r"(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
 _NONFINITE_WORD = re.compile(r"[:=]\s*['\"]?[-+]?(?:nan|inf)", re.I)
 _EXCEPTION_NAME = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Warning)")
+# Where a line is in the run, printed before the key (MXNet's `Epoch[3] Batch [100]`): not part of the metric's name.
+_INDEX_HEAD = re.compile(r"^(?:[A-Za-z]+\s?\[\d+(?:/\d+)?\]\s+)+")
 # Slots NumberRules checks itself (a NaN loss is nonfinite-loss, not this rule's).
 _CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
 
@@ -409,16 +411,18 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
         if is_setting(clean) or i in log.code:
             continue
         for m in _NONFINITE_PAIR.finditer(clean):
-            if _EXCEPTION_NAME.fullmatch(m.group("key")):
+            printed = m.group("key")
+            if _EXCEPTION_NAME.fullmatch(printed):
                 continue  # `KeyError: nan` is an exception's message (pandas looked up a NaN label), no metric
-            key = normalise_key(m.group("key"))
+            printed = _INDEX_HEAD.sub("", printed) or printed  # `Epoch[3] Train-SmoothL1=nan`: the key is Train-SmoothL1
+            key = normalise_key(printed)
             words = key.split()
             if not words or any(w in comp.nonfinite_ignore for w in words):
                 continue
-            slot = comp.keys.slot_of(m.group("key"))
+            slot = comp.keys.slot_of(printed)
             if slot is not None and slot.partition(":")[0] in _CHECKED_KINDS:
                 continue
-            found.setdefault(i, []).append(m.group("key"))
+            found.setdefault(i, []).append(printed)
     last = {key: i for i, keys in found.items() for key in keys}
     lasting = {key for key, i in last.items() if not _recovered(log, key, i, comp.table.records.nonfinite_recovered_logs)}
     lines = [(i + log.first_line, log.lines[i]) for i, keys in found.items() if lasting.intersection(keys)][:MAX_LINES_PER_HIT]
