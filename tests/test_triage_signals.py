@@ -124,6 +124,11 @@ def test_flat_and_zero_losses_and_grad_explosion():
      "display driver / cuda driver combination", "driver-too-old"),
     ("[[2.307283878326416, 35.845733642578125, 1.4034062829000125e+29, nan, nan, nan, nan, nan, nan], [nan, nan]]",
      "nonfinite-printout"),
+    # Hydra's instantiate() wraps the ImportError into its own message (d12z-010); torch.utils.cpp_extension's own words.
+    ("[2022-04-30 13:26:28,984][hydra.utils][ERROR] - Error instantiating model_ssg.PointNet2SemSegSSG : No module named "
+     "'pointnet2_ops'", "python-import-error"),
+    ("Error instantiating model_ssg.PointNet2SemSegSSG : CUDA_HOME environment variable is not set. Please set it to your "
+     "CUDA install root.", "cuda-toolkit-missing"),
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
