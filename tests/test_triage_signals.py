@@ -129,6 +129,10 @@ def test_flat_and_zero_losses_and_grad_explosion():
      "'pointnet2_ops'", "python-import-error"),
     ("Error instantiating model_ssg.PointNet2SemSegSSG : CUDA_HOME environment variable is not set. Please set it to your "
      "CUDA install root.", "cuda-toolkit-missing"),
+    ("RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "cuda-oom"),
+    ("OSError: [WinError 1455] The paging file is too small for this operation to complete. Error loading "
+     "\"C:\\env\\lib\\site-packages\\torch\\lib\\cudnn_cnn_infer64_8.dll\" or one of its dependencies.", "cpu-allocator-oom"),
+    ("torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGKILL", "sigkill-in-log"),
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
