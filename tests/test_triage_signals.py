@@ -133,6 +133,8 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("OSError: [WinError 1455] The paging file is too small for this operation to complete. Error loading "
      "\"C:\\env\\lib\\site-packages\\torch\\lib\\cudnn_cnn_infer64_8.dll\" or one of its dependencies.", "cpu-allocator-oom"),
     ("torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGKILL", "sigkill-in-log"),
+    ("Batch 1183: Invalid loss, terminating training", "nonfinite-loss"),  # keras.callbacks.TerminateOnNaN
+    ("WARNING:root:NaN or Inf found in input tensor.", "nonfinite-printout"),  # tensorboardX's x2num.check_nan
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
