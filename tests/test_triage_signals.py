@@ -135,6 +135,8 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGKILL", "sigkill-in-log"),
     ("Batch 1183: Invalid loss, terminating training", "nonfinite-loss"),  # keras.callbacks.TerminateOnNaN
     ("WARNING:root:NaN or Inf found in input tensor.", "nonfinite-printout"),  # tensorboardX's x2num.check_nan
+    ("TERM_MEMLIMIT: job killed after reaching LSF memory usage limit.", "slurm-memory-limit-kill"),  # LSF job report
+    ("TERM_RUNLIMIT: job killed after reaching LSF run time limit.", "slurm-time-limit"),
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
