@@ -504,7 +504,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
     clean_lines gives them, `code` the indices IPython printed as source (skipped), `table` the table reader's
     state (kept across the chunks of a streamed log), `first_line` the number of lines[0] in the whole log."""
     for i, clean in enumerate(cleaned):
-        if "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
+        if len(clean) < 40 and "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
             table.epoch = float(head.group(1))  # Keras' `Epoch 3/10`: the records under it are that epoch's
             continue
         if not may_carry(clean, table) or i in code:

@@ -500,6 +500,11 @@ def _significant_digits(v: float) -> int:
     return len(digits.rstrip("0")) or 1
 
 
+def _losses(window) -> list[float]:
+    """The losses of a recurring-losses window, whose entries are a loss or (loss, perplexities)."""
+    return [x[0] if x.__class__ is tuple else x for x in window]
+
+
 def _weights_move(records, ppl: bool = True) -> bool:
     """The records say the weights are moving, whatever the loss print says: a grad norm that is positive and
     not the same every time, or another loss logged beside it (`Train L1 Loss`, `value_loss`, or a validation
@@ -681,7 +686,7 @@ class NumberRules:
         self.run_vals: list[Metric] = []
         self.flat: tuple[list[Metric], str] | None = None
         self.recent: deque[Metric] = deque(maxlen=self.r.flat_repeat_window)
-        self.recent_vals: deque[tuple[float, ...]] = deque(maxlen=self.r.flat_repeat_window)  # (loss, its perplexities)
+        self.recent_vals: deque[float | tuple[float, ...]] = deque(maxlen=self.r.flat_repeat_window)  # loss, or (loss, perplexities)
         self.seen_windows: dict[tuple[float, ...], tuple[int, int, str]] = {}
         self.finite_count = 0
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
@@ -872,15 +877,15 @@ class NumberRules:
         self.recent.append(m)
         # A perplexity beside the loss is part of what must recur: `loss 7.14 | ppl 1264.60` then `loss 7.14 |
         # ppl 1259.47` is the same rounded loss from other weights.
-        self.recent_vals.append((m.loss, *(v for k, v in m.named.items() if k.startswith("ppl:"))))
+        ppl = [v for k, v in m.named.items() if k.startswith("ppl:")] if m.named else None
+        self.recent_vals.append((m.loss, *ppl) if ppl else m.loss)
         if len(self.recent_vals) == r.flat_repeat_window:
             key = tuple(self.recent_vals)
             i = self.finite_count - r.flat_repeat_window
             have = self.seen_windows.get(key)
             # (The same losses at the same steps are a replay, which feed() already restarted the run for.)
-            losses = [x[0] for x in key]
             if (have is not None and i >= have[0] + r.flat_repeat_window and not _weights_move(self.recent, ppl=False)
-                    and max(_significant_digits(x) for x in losses) >= 3 and not self._converged(losses)):
+                    and max(_significant_digits(x) for x in _losses(key)) >= 3 and not self._converged(_losses(key))):
                 first = Metric(have[1], have[2])
                 self.flat = ([first] + list(self.recent), f"the same {r.flat_repeat_window} losses recur exactly (from line {first.line} "
                                                           f"and again from {self.recent[0].line}): the weights are not changing")
