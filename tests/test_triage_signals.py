@@ -137,6 +137,9 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("WARNING:root:NaN or Inf found in input tensor.", "nonfinite-printout"),  # tensorboardX's x2num.check_nan
     ("TERM_MEMLIMIT: job killed after reaching LSF memory usage limit.", "slurm-memory-limit-kill"),  # LSF job report
     ("TERM_RUNLIMIT: job killed after reaching LSF run time limit.", "slurm-time-limit"),
+    ("tensorflow.python.framework.errors_impl.InternalError: Failed copying input tensor from /job:localhost/replica:0/"
+     "task:0/device:CPU:0 to /job:localhost/replica:0/task:0/device:GPU:0 in order to run _EagerConst: Dst tensor is not "
+     "initialized.", "backend-oom"),
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
