@@ -382,6 +382,18 @@ def test_an_epoch_index_before_a_key_is_not_part_of_its_name():
     assert "nonfinite-metric" in _find_ids(text + "Epoch[2] Train-SmoothL1=nan\n")  # NaN last: not recovered
 
 
+def test_torchvisions_image_extension_warning_is_the_weakest_evidence_never_none():
+    warn = ("/env/lib/python3.10/site-packages/torchvision/io/image.py:13: UserWarning: Failed to load image Python "
+            "extension: '/env/lib/python3.10/site-packages/torchvision/image.so: undefined symbol: _ZN3c1017RegisterOp'"
+            "If you don't plan on using image functionality from `torchvision.io`, you can ignore this warning.\n")
+    alone = classify_text(warn)
+    assert alone.failure_class == "environment" and alone.signals == ["torchvision-image-extension"]  # not abi-mismatch
+    nan = "RuntimeError: Function 'SigmoidBackward0' returned nan values in its 0th output.\n"
+    assert classify_text(warn + nan).failure_class == "divergence"  # outranked by anything else (dev11t-002)
+    steps = "".join(f"epoch 1 step {i} loss {2.3 - i * 0.01:.3f}\n" for i in range(1, RULES.went_on_records + 1))
+    assert classify_text(warn + steps).failure_class == "none"  # a run that trained past it
+
+
 def test_an_undefined_evaluation_score_is_no_divergence():
     # sklearn returns nan for kappa / AUC / a correlation when a fold holds one class (UndefinedMetricWarning).
     for key in ("kappa", "auc", "mcc", "pearson", "spearman"):
