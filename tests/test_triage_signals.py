@@ -140,6 +140,11 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("tensorflow.python.framework.errors_impl.InternalError: Failed copying input tensor from /job:localhost/replica:0/"
      "task:0/device:CPU:0 to /job:localhost/replica:0/task:0/device:GPU:0 in order to run _EagerConst: Dst tensor is not "
      "initialized.", "backend-oom"),
+    ("RuntimeError: The total norm of order 2.0 for gradients from `parameters` is non-finite, so it cannot be clipped. "
+     "To disable this error and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`",
+     "nonfinite-loss"),
+    ("WARNING: non-finite loss, ending training  tensor([nan, nan], device='cuda:0')", "nonfinite-loss"),
+    ("ValueError: The parameter loc has invalid values", "nonfinite-printout"),  # torch.distributions before 1.8
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
@@ -392,6 +397,12 @@ def test_torchvisions_image_extension_warning_is_the_weakest_evidence_never_none
     assert classify_text(warn + nan).failure_class == "divergence"  # outranked by anything else (dev11t-002)
     steps = "".join(f"epoch 1 step {i} loss {2.3 - i * 0.01:.3f}\n" for i in range(1, RULES.went_on_records + 1))
     assert classify_text(warn + steps).failure_class == "none"  # a run that trained past it
+
+
+def test_a_loop_that_skips_nan_batches_is_not_a_nan_loss():
+    # dev8e-016: a custom loop's own guard ("[WARNING] NaN loss detected! Skipping batch.") while the loss falls.
+    steps = "".join(f"step {i} loss {3.0 - i * 0.02:.3f}\n" for i in range(1, RULES.went_on_records + 3))
+    assert classify_text("[WARNING] NaN loss detected! Skipping batch.\n" + steps).failure_class == "none"
 
 
 def test_an_undefined_evaluation_score_is_no_divergence():
