@@ -399,6 +399,26 @@ def test_torchvisions_image_extension_warning_is_the_weakest_evidence_never_none
     assert classify_text(warn + steps).failure_class == "none"  # a run that trained past it
 
 
+def test_an_exception_python_reports_as_ignored_did_not_end_the_run():
+    # sys.unraisablehook: an error in a finaliser at exit is printed and ignored; the exit status is unaffected.
+    steps = "".join(f"{{'loss': {2.0 - i * 0.01:.4f}, 'epoch': {i / 100:.2f}}}\n" for i in range(1, 6))
+    ignored = ("Exception ignored in: <function _MultiProcessingDataLoaderIter.__del__ at 0x7f2c>\n"
+               "Traceback (most recent call last):\n  File \"/x/dataloader.py\", line 1478, in __del__\n"
+               "    self._shutdown_workers()\nAttributeError: '_MultiProcessingDataLoaderIter' object has no attribute '_shutdown'\n")
+    r = classify_text(steps + ignored)
+    assert r.failure_class == "none" and "ignored" in r.reason and r.runner_up.failure_class == "environment"
+    crash = "Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\nKeyError: 'labels'\n"
+    assert classify_text(steps + ignored + crash).failure_class == "environment"  # a traceback of its own still fails
+
+
+def test_tensorflows_cudart_probe_on_a_machine_without_a_gpu_is_a_warning():
+    probe = ("2021-01-01 12:00:00.1: W tensorflow/stream_executor/platform/default/dso_loader.cc:64] Could not load dynamic "
+             "library 'libcudart.so.11.0'; dlerror: libcudart.so.11.0: cannot open shared object file: No such file or directory\n")
+    epochs = "".join(f"Epoch {e}/3\n100/100 [====] - 2s 20ms/step - loss: {1.0 - e * 0.1:.4f}\n" for e in (1, 2, 3))
+    assert classify_text(probe + epochs).failure_class == "none"
+    assert "cuda-runtime-missing" in _find_ids("ImportError: libcudart.so.12: cannot open shared object file: No such file or directory\n")
+
+
 def test_a_loop_that_skips_nan_batches_is_not_a_nan_loss():
     # dev8e-016: a custom loop's own guard ("[WARNING] NaN loss detected! Skipping batch.") while the loss falls.
     steps = "".join(f"step {i} loss {3.0 - i * 0.02:.3f}\n" for i in range(1, RULES.went_on_records + 3))

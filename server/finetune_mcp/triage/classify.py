@@ -227,7 +227,10 @@ def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -
         reason += (f" The run went on past the error at line {first} ({f.table.records.went_on_records} or more logged "
                    f"records, or a progress bar run to its total, after it), so it was caught, not fatal." if f.went_on else
                    f" The error at line {first} was raised in a thread other than the main one (\"Exception in thread\"), "
-                   f"which Python reports and the program outlives, and the program printed on after it.")
+                   f"which Python reports and the program outlives, and the program printed on after it."
+                   if f.threads.thread_headers else
+                   f" Python reported the error at line {first} as ignored (\"Exception ignored in\": raised in a finaliser "
+                   f"or callback, where it cannot stop the program), so the run did not end on it.")
         conf = min(conf, 0.7)
         runner_up = RunnerUp("environment", 0.25, f"the error at line {first} if it did stop part of the run (a worker, an "
                                                   f"upload, a callback) - check what it belonged to")

@@ -54,20 +54,26 @@ def last_bar_done(log: "Log") -> int | None:
 @dataclass
 class Threads:
     """Python prints an uncaught exception in a thread other than the main one as "Exception in thread NAME:"
-    and a traceback, and the program goes on. Counts of those headers and of all traceback headers, and the
-    lines after the first thread header that are not part of a traceback (the program printing on)."""
+    and a traceback, and the program goes on; one raised where it cannot propagate (a finaliser such as a
+    DataLoader iterator's __del__ at exit, a weakref callback) as "Exception ignored in: OBJ" and a traceback
+    (sys.unraisablehook), and the program goes on too. Counts of those headers and of all traceback headers,
+    and the lines after the first thread header that are not part of a traceback (the program printing on)."""
 
     thread_headers: int = 0
+    ignored_headers: int = 0
     tracebacks: int = 0
     lines_after: int = 0
 
     def feed(self, log: "Log") -> None:
-        if self.thread_headers == 0 and "Exception in thread " not in log.text:
+        if (self.thread_headers == 0 and "Exception in thread " not in log.text
+                and "Exception ignored in" not in log.text):
             self.tracebacks += log.text.count("Traceback (most recent call last)")
             return
         for line in log.clean:
             if line.startswith("Exception in thread "):
                 self.thread_headers += 1
+            elif line.startswith("Exception ignored in"):
+                self.ignored_headers += 1
             elif line.startswith("Traceback (most recent call last)"):
                 self.tracebacks += 1
             elif self.thread_headers and not _TRACEBACK_LINE.match(line):
@@ -75,8 +81,11 @@ class Threads:
 
     @property
     def only_threads_failed(self) -> bool:
-        """Every traceback is a thread's, and the program printed on after the first: the main program went on."""
-        return 0 < self.tracebacks <= self.thread_headers and self.lines_after > 0
+        """Every traceback is a thread's (and the program printed on after the first) or one Python reported
+        as ignored: the main program went on."""
+        if not 0 < self.tracebacks <= self.thread_headers + self.ignored_headers:
+            return False
+        return self.lines_after > 0 or self.thread_headers == 0
 
 
 # --- the table ---------------------------------------------------------------------------------
