@@ -419,6 +419,24 @@ def test_tensorflows_cudart_probe_on_a_machine_without_a_gpu_is_a_warning():
     assert "cuda-runtime-missing" in _find_ids("ImportError: libcudart.so.12: cannot open shared object file: No such file or directory\n")
 
 
+def test_an_error_before_the_trainers_end_of_training_line_did_not_stop_the_run():
+    # d13db-004: a notebook's early cell fails to import triton; later cells train to the end (Unsloth's notebooks
+    # print "N seconds used for training." after trainer.train() returns) and save the adapter.
+    early = ("Traceback (most recent call last):\n  File \"<ipython-input-3>\", line 1, in <module>\n"
+             "ModuleNotFoundError: No module named 'triton'\n")
+    done = "477.878 seconds used for training.\n7.96 minutes used for training.\n"
+    r = classify_text(early + "Unsloth - 2x faster free finetuning | Num GPUs = 1\n" + done)
+    assert r.failure_class == "none" and "end-of-training line" in r.reason
+    assert classify_text(early + done).runner_up.failure_class == "environment"  # never silent: the error is named
+    # An error after it still ends the run (a crash while saving); and without it, the import error is the verdict.
+    assert classify_text(done + early).failure_class == "environment"
+    assert classify_text(early + "Unsloth - 2x faster free finetuning | Num GPUs = 1\n").failure_class == "environment"
+    # HF Trainer's and Lightning's own words on success.
+    for line in ("Training completed. Do not forget to share your model on huggingface.co/models =)",
+                 "`Trainer.fit` stopped: `max_epochs=3` reached."):
+        assert classify_text(early + line + "\n").failure_class == "none", line
+
+
 def test_a_loop_that_skips_nan_batches_is_not_a_nan_loss():
     # dev8e-016: a custom loop's own guard ("[WARNING] NaN loss detected! Skipping batch.") while the loss falls.
     steps = "".join(f"step {i} loss {3.0 - i * 0.02:.3f}\n" for i in range(1, RULES.went_on_records + 3))

@@ -411,11 +411,12 @@ class FailureSignalsTable(Strict):
     records: RecordRules
     metric_keys: MetricKeys
     failure_markers: list[str] = Field(min_length=1, description="lines that show the run failed, whatever the cause")
+    finished_markers: list[str] = Field(default_factory=list, description="lines a trainer prints when training ran to its end: an error before one did not stop the run")
     fallback: list[FallbackRule] = Field(min_length=1, description="the class of a failure no signal names, by exception type")
     cut_traceback: list[FallbackRule] = Field(default_factory=list, description="read first on the innermost frames when the excerpt stops inside a traceback")
     fallback_priority: int = Field(ge=0, le=100, description="the weight a fallback class carries against other signals")
 
-    @_field_validator("failure_markers")
+    @_field_validator("failure_markers", "finished_markers")
     @classmethod
     def _valid(cls, v):
         return _compiles(v)

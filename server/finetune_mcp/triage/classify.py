@@ -225,7 +225,8 @@ def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -
         extra = ([f.exception] if f.exception else []) + f.markers[-2:]
         first = f.exception[0] if f.exception else min(n for n, _ in extra)
         reason += (f" The run went on past the error at line {first} ({f.table.records.went_on_records} or more logged "
-                   f"records, or a progress bar run to its total, after it), so it was caught, not fatal." if f.went_on else
+                   f"records, a progress bar run to its total, or the trainer's end-of-training line, after it), so it was "
+                   f"caught, not fatal." if f.went_on else
                    f" The error at line {first} was raised in a thread other than the main one (\"Exception in thread\"), "
                    f"which Python reports and the program outlives, and the program printed on after it."
                    if f.threads.thread_headers else

@@ -51,6 +51,12 @@ def last_bar_done(log: "Log") -> int | None:
     return None if last is None else log.line_of(last.start()) + log.first_line
 
 
+def last_finished(log: "Log", comp: "Compiled") -> int | None:
+    """The line number (1-based, in the whole log) of the last line where a trainer said training ran to its end."""
+    found = [i for p in comp.finished if log.may_match(p, comp) for i in log.scan(p)]
+    return max(found) + log.first_line if found else None
+
+
 @dataclass
 class Threads:
     """Python prints an uncaught exception in a thread other than the main one as "Exception in thread NAME:"
@@ -191,8 +197,9 @@ class Compiled:
                 self.line_signals.append((s, [re.compile(p, flags) for p in s.patterns]))
                 self.unless[s.id] = [re.compile(p, flags) for p in s.unless]
         self.markers = [re.compile(p, re.M) for p in table.failure_markers]
+        self.finished = [re.compile(p, re.M) for p in table.finished_markers]
         self.literals = {p.pattern + str(p.flags): required_literals(p) for _, ps in self.line_signals for p in ps}
-        self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers})
+        self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers + self.finished})
         self.fallback = [(r, re.compile(r.match)) for r in table.fallback]
         self.cut_traceback = [(r, re.compile(r.match)) for r in table.cut_traceback]
         self.nonfinite_ignore = frozenset(table.records.nonfinite_ignore)
@@ -339,26 +346,33 @@ class Findings:
     threads: Threads = field(default_factory=Threads)
     bar_done: int | None = None  # the last line where a progress bar reached its total
     transient: list[Hit] = field(default_factory=list)  # NaN grad norms of steps the fp16 scaler skipped: set aside
+    finished_at: int | None = None  # the last line where a trainer said training ran to its end
 
     def _records_after(self, line: int) -> bool:
         """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
         need = self.table.records.went_on_records if self.table is not None else 0
         return bool(need and line and sum(1 for n in self.record_lines if n > line) >= need)
 
+    def _finished_after(self, line: int) -> bool:
+        """A trainer said training ran to its end after `line` (HF's "Training completed", Lightning's
+        "`Trainer.fit` stopped: `max_epochs=3` reached", fairseq's "done training in")."""
+        return bool(line and self.finished_at and self.finished_at > line)
+
     def outlived(self, hit: Hit) -> bool:
-        """The run logged went_on_records metric records after the hit's last line: whatever it said (an
-        OOM a batch-size finder caught, a tool an optional step lacked), training went on past it."""
-        return self._records_after(hit.last_line)
+        """The run logged went_on_records metric records after the hit's last line, or finished training
+        after it: whatever it said (an OOM a batch-size finder caught, a tool an optional step lacked),
+        training went on past it."""
+        return self._records_after(hit.last_line) or self._finished_after(hit.last_line)
 
     @property
     def went_on(self) -> bool:
         """The run logged went_on_records metric records after its last exception and failure line, or a
-        progress bar reached its total after it: what was printed was caught (a warning with a traceback, a
+        progress bar reached its total after it, or the trainer said it finished: what was printed was caught (a warning with a traceback, a
         retried worker, a failed upload, a shell's complaint before the job ran), not fatal."""
         last = max(([self.exception[0]] if self.exception else []) + [n for n, _ in self.markers], default=0)
         if last and self.bar_done and self.bar_done > last:
             return True  # a loop ran to its total after the error
-        return self._records_after(last)
+        return self._records_after(last) or self._finished_after(last)
 
     @property
     def failed(self) -> bool:
@@ -1093,6 +1107,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         if log.may_match(m, comp):
             marked |= set(log.scan(m))
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
+    finished_at = last_finished(log, comp)
     exc = last_exception(log)
     threads = Threads()
     threads.feed(log)
@@ -1103,7 +1118,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
-                    threads=threads, bar_done=bar_done, transient=transient)
+                    threads=threads, bar_done=bar_done, transient=transient, finished_at=finished_at)
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -1137,6 +1152,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     record_lines: deque[int] = deque(maxlen=comp.table.records.went_on_records or 1)
     threads = Threads()
     bar_done: int | None = None
+    finished_at: int | None = None
     prev: Metric | None = None
     first_line = 1
     tail: list[str] = []
@@ -1166,6 +1182,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             head = last_traceback(log) or head
             threads.feed(log)
             bar_done = last_bar_done(log) or bar_done
+            finished_at = last_finished(log, comp) or finished_at
             tail_metrics = []
             for m in line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line):
                 if prev is not None and same_record(prev, m):
@@ -1190,7 +1207,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     cut_short = head is not None and (exc is None or exc[0] < head)
     return Findings(list(by_id.values()), tail_metrics, markers, exc, cut_short, code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
-                    transient=transient)
+                    transient=transient, finished_at=finished_at)
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
