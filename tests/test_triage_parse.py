@@ -89,6 +89,14 @@ def test_an_epoch_announced_on_its_own_line_belongs_to_the_records_under_it():
     assert len(parse_text("Epoch 1/2\n5/9 - loss: 0.52\n5/9 - loss: 0.52\n", KEYS)) == 1
 
 
+def test_an_index_printed_before_a_key_is_not_part_of_it():
+    # TransReID's logger (d13db-006) and its derivatives: `Epoch[2] done. Loss: 0.000 (Base: 0.000, ...)`.
+    m = _one("2026-06-15 20:54:08 transreid.train INFO: Epoch[2] done. Loss: 0.000 (Base: 0.000, Orth: 0.000), Acc: 0.000%")
+    assert m.loss == 0.0 and "loss:epoch 2 done loss" not in m.named
+    assert _one("Epoch[1] Iteration[50/186] Loss: 5.660, Acc: 0.024, Base Lr: 3.50e-06").loss == 5.66
+    assert _one("[Epoch 3] val. loss: 0.41").loss is None  # no index head: the key is read as printed
+
+
 def test_cost_and_perplexity_keys():
     # Gradient descent as courses print it (d12y-013): `Iteration    9: Cost 8.62e+15`.
     assert _one("Iteration    9: Cost 8.62e+15  dj_dw:  8.236e+07, dj_db:  3.623e+07").loss == 8.62e15

@@ -136,6 +136,7 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("Batch 1183: Invalid loss, terminating training", "nonfinite-loss"),  # keras.callbacks.TerminateOnNaN
     ("WARNING:root:NaN or Inf found in input tensor.", "nonfinite-printout"),  # tensorboardX's x2num.check_nan
     ("TERM_MEMLIMIT: job killed after reaching LSF memory usage limit.", "slurm-memory-limit-kill"),  # LSF job report
+    ("ModuleNotFoundError: No module named 'flash_attn'", "stack-module-missing"),
     ("TERM_RUNLIMIT: job killed after reaching LSF run time limit.", "slurm-time-limit"),
     ("tensorflow.python.framework.errors_impl.InternalError: Failed copying input tensor from /job:localhost/replica:0/"
      "task:0/device:CPU:0 to /job:localhost/replica:0/task:0/device:GPU:0 in order to run _EagerConst: Dst tensor is not "
@@ -435,6 +436,13 @@ def test_an_error_before_the_trainers_end_of_training_line_did_not_stop_the_run(
     for line in ("Training completed. Do not forget to share your model on huggingface.co/models =)",
                  "`Trainer.fit` stopped: `max_epochs=3` reached."):
         assert classify_text(early + line + "\n").failure_class == "none", line
+
+
+def test_a_models_advice_to_install_an_optional_kernel_is_no_missing_package():
+    # Phi-3's modeling code (d13da-001) warns and falls back to eager attention.
+    line = ("WARNING:transformers_modules.microsoft.Phi-3.5-mini-instruct.modeling_phi3:`flash-attention` package not found, "
+            "consider installing for better performance: No module named 'flash_attn'.\n")
+    assert "stack-module-missing" not in _find_ids(line)
 
 
 def test_a_loop_that_skips_nan_batches_is_not_a_nan_loss():

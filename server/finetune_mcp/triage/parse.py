@@ -398,8 +398,24 @@ def _from_pairs(m: Metric, keys: KeyMap, line: str) -> bool:
     found = False
     for part in _SPLIT.split(line):
         for pm in _PAIR.finditer(part):
-            found |= _assign(m, keys, pm.group("key"), pm.group("val"))
+            found |= _assign(m, keys, pair_key(pm.group("key")), pm.group("val"))
     return found
+
+
+# Where a line is in the run, printed before a key with no separator of its own (TransReID's `Epoch[1]
+# Iteration[50/186] Loss: 5.660`, MXNet's `Epoch[3] Train-SmoothL1=nan`): not part of the metric's name.
+INDEX_HEAD = re.compile(r"^(?:[A-Za-z]+\s?\[\d+(?:/\d+)?\]\s*)+")
+
+
+def pair_key(key: str) -> str:
+    """A key as the pair reader found it, without the index head before it: `Epoch[1] Iteration[50/186] Loss`
+    -> `Loss`, and after one, the last sentence of what is left (`Epoch[2] done. Loss` -> `Loss`)."""
+    if "[" not in key:
+        return key
+    bare = INDEX_HEAD.sub("", key)
+    if bare == key or not bare:
+        return key
+    return bare.rsplit(". ", 1)[-1]
 
 
 _NUMBER_CELL = re.compile(r"(?:^|[|│\t])\s*[-+]?\.?\d")

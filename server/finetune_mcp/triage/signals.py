@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
-from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, clean_line, clean_lines, code_lines, decode_log, is_setting,
+from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, clean_line, clean_lines, code_lines, decode_log, is_setting, pair_key,
                                       line_metrics, log_encoding, normalise_key, parse_records, parse_text, same_record,
                                       split_lines, to_number)
 
@@ -415,8 +415,6 @@ _NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\
                              r"(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
 _NONFINITE_WORD = re.compile(r"[:=]\s*['\"]?[-+]?(?:nan|inf)", re.I)
 _EXCEPTION_NAME = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Warning)")
-# Where a line is in the run, printed before the key (MXNet's `Epoch[3] Batch [100]`): not part of the metric's name.
-_INDEX_HEAD = re.compile(r"^(?:[A-Za-z]+\s?\[\d+(?:/\d+)?\]\s+)+")
 # Slots NumberRules checks itself (a NaN loss is nonfinite-loss, not this rule's).
 _CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
 
@@ -437,7 +435,7 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
             printed = m.group("key")
             if _EXCEPTION_NAME.fullmatch(printed):
                 continue  # `KeyError: nan` is an exception's message (pandas looked up a NaN label), no metric
-            printed = _INDEX_HEAD.sub("", printed) or printed  # `Epoch[3] Train-SmoothL1=nan`: the key is Train-SmoothL1
+            printed = pair_key(printed)  # `Epoch[3] Train-SmoothL1=nan`: the key is Train-SmoothL1
             key = normalise_key(printed)
             words = key.split()
             if not words or any(w in comp.nonfinite_ignore for w in words):
