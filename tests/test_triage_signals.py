@@ -445,6 +445,18 @@ def test_a_models_advice_to_install_an_optional_kernel_is_no_missing_package():
     assert "stack-module-missing" not in _find_ids(line)
 
 
+def test_a_stop_followed_by_an_error_of_its_own_is_not_how_the_log_ends():
+    stop = "Traceback (most recent call last):\n  File \"prep.py\", line 3, in <module>\nKeyboardInterrupt\n"
+    assert classify_text(stop).failure_class == "none"
+    # d13db-010: a slow preprocessing cell stopped by hand, then the training cell fails on its first batch.
+    later = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n"
+             "ValueError: Unable to create tensor, you should probably activate padding with 'padding=True'\n")
+    assert classify_text(stop + later).failure_class == "environment"
+    # torchrun reporting the child the Ctrl-C stopped (dev10p-004) is the stop's echo, not a new failure.
+    echo = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    assert classify_text(stop + echo).failure_class == "none"
+
+
 def test_a_loop_that_skips_nan_batches_is_not_a_nan_loss():
     # dev8e-016: a custom loop's own guard ("[WARNING] NaN loss detected! Skipping batch.") while the loss falls.
     steps = "".join(f"step {i} loss {3.0 - i * 0.02:.3f}\n" for i in range(1, RULES.went_on_records + 3))

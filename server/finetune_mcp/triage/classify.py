@@ -11,6 +11,7 @@ limit: its confidence is capped and it says what is missing.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
 from finetune_mcp.triage.signals import Findings, Hit, compiled, fallback_rule, find, find_file, find_in_records
@@ -159,6 +160,11 @@ def _memory_note(memory: dict | None, table) -> tuple[str, bool]:
                "fit as well" if far else ""), far)
 
 
+# A launcher's report that the child it ran failed (torchrun's ChildFailedError, subprocess's CalledProcessError,
+# torch.multiprocessing's ProcessExitedException): after a Ctrl-C it echoes the stop, not a new failure.
+_LAUNCHER_ECHO = re.compile(r"ChildFailedError|CalledProcessError|ProcessExitedException|ProcessRaisedException")
+
+
 def decide(f: Findings, *, platform: str | None = None, memory: dict | None = None) -> Classification:
     """Weigh findings into a Classification (see the module docstring for the rules).
 
@@ -186,8 +192,11 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         ids = ", ".join(f"{h.id} (last at line {h.last_line})" for h in _order(f.transient))
         dropped_note += (f" Set aside as steps the fp16 loss scaler skipped, the NaN/inf grad norms came between finite "
                          f"ones, with the loss finite throughout: {ids}.")
-    # A stop the log went on past (a notebook cell interrupted, then run again) is not how the log ends.
-    stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped" and not f.outlived(h)]
+    # A stop the log went on past (a notebook cell interrupted, then run again, or an error raised after it that
+    # is not a launcher reporting the stopped child) is not how the log ends.
+    later_error = f.exception is not None and not _LAUNCHER_ECHO.search(f.exception[1])
+    stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped" and not f.outlived(h)
+               and not (later_error and f.exception[0] > h.last_line)]
     scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}
     fallback = None
     if f.failed and not scores and not stopped:
