@@ -448,13 +448,16 @@ def test_a_models_advice_to_install_an_optional_kernel_is_no_missing_package():
 def test_a_stop_followed_by_an_error_of_its_own_is_not_how_the_log_ends():
     stop = "Traceback (most recent call last):\n  File \"prep.py\", line 3, in <module>\nKeyboardInterrupt\n"
     assert classify_text(stop).failure_class == "none"
-    # d13db-010: a slow preprocessing cell stopped by hand, then the training cell fails on its first batch.
+    # d13db-010: a slow preprocessing cell stopped by hand, the notebook prints on, then the training cell fails.
     later = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n"
              "ValueError: Unable to create tensor, you should probably activate padding with 'padding=True'\n")
-    assert classify_text(stop + later).failure_class == "environment"
-    # torchrun reporting the child the Ctrl-C stopped (dev10p-004) is the stop's echo, not a new failure.
+    between = "".join(f"Map: {i}0%|###| {i}/10 [00:0{i}<00:00]\n" for i in range(RULES.stop_echo_lines + 1))
+    assert classify_text(stop + between + later).failure_class == "environment"
+    # Right after the Ctrl-C, the same error is an echo (DataLoader workers and shutdown hooks were interrupted too).
+    assert classify_text(stop + later).failure_class == "none"
+    # So is torchrun reporting the child the Ctrl-C stopped (dev10p-004), however late.
     echo = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
-    assert classify_text(stop + echo).failure_class == "none"
+    assert classify_text(stop + between + echo).failure_class == "none"
 
 
 def test_a_loop_that_skips_nan_batches_is_not_a_nan_loss():

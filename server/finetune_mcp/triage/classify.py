@@ -165,6 +165,16 @@ def _memory_note(memory: dict | None, table) -> tuple[str, bool]:
 _LAUNCHER_ECHO = re.compile(r"ChildFailedError|CalledProcessError|ProcessExitedException|ProcessRaisedException")
 
 
+def _failed_after_stop(f: Findings, stop: Hit) -> bool:
+    """A stop the log went on past is not how it ends: a traceback of its own began more than stop_echo_lines after
+    the Ctrl-C (a notebook's later cell failed). One sooner is the stop's echo - DataLoader workers and shutdown
+    hooks interrupted with it -, and so is a launcher reporting the stopped child (ChildFailedError)."""
+    if f.exception is None or f.last_traceback_at is None or _LAUNCHER_ECHO.search(f.exception[1]):
+        return False
+    gap = f.table.records.stop_echo_lines if f.table is not None else 0
+    return f.exception[0] > stop.last_line and f.last_traceback_at > stop.last_line + gap
+
+
 def decide(f: Findings, *, platform: str | None = None, memory: dict | None = None) -> Classification:
     """Weigh findings into a Classification (see the module docstring for the rules).
 
@@ -192,11 +202,8 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         ids = ", ".join(f"{h.id} (last at line {h.last_line})" for h in _order(f.transient))
         dropped_note += (f" Set aside as steps the fp16 loss scaler skipped, the NaN/inf grad norms came between finite "
                          f"ones, with the loss finite throughout: {ids}.")
-    # A stop the log went on past (a notebook cell interrupted, then run again, or an error raised after it that
-    # is not a launcher reporting the stopped child) is not how the log ends.
-    later_error = f.exception is not None and not _LAUNCHER_ECHO.search(f.exception[1])
     stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped" and not f.outlived(h)
-               and not (later_error and f.exception[0] > h.last_line)]
+               and not _failed_after_stop(f, h)]
     scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}
     fallback = None
     if f.failed and not scores and not stopped:

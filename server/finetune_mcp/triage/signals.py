@@ -347,6 +347,7 @@ class Findings:
     bar_done: int | None = None  # the last line where a progress bar reached its total
     transient: list[Hit] = field(default_factory=list)  # NaN grad norms of steps the fp16 scaler skipped: set aside
     finished_at: int | None = None  # the last line where a trainer said training ran to its end
+    last_traceback_at: int | None = None  # the line of the log's last "Traceback (most recent call last)"
 
     def _records_after(self, line: int) -> bool:
         """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
@@ -1042,9 +1043,8 @@ def last_traceback(log: Log) -> int | None:
     return None if pos < 0 else log.line_of(pos) + log.first_line
 
 
-def traceback_cut(log: Log, exception: tuple[int, str] | None) -> bool:
-    """A traceback header with no exception line after it: the excerpt stops inside the traceback."""
-    head = last_traceback(log)
+def traceback_cut(head: int | None, exception: tuple[int, str] | None) -> bool:
+    """The last traceback header (`head`) has no exception line after it: the excerpt stops inside the traceback."""
     return head is not None and (exception is None or exception[0] < head)
 
 
@@ -1107,6 +1107,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
     finished_at = last_finished(log, comp)
     exc = last_exception(log)
+    head = last_traceback(log)
     threads = Threads()
     threads.feed(log)
     bar_done = last_bar_done(log)
@@ -1114,9 +1115,9 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
-    return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(log, exc), code, sig_no, stopped_by, dropped, comp.table,
+    return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
-                    threads=threads, bar_done=bar_done, transient=transient, finished_at=finished_at)
+                    threads=threads, bar_done=bar_done, transient=transient, finished_at=finished_at, last_traceback_at=head)
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -1202,10 +1203,9 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
-    cut_short = head is not None and (exc is None or exc[0] < head)
-    return Findings(list(by_id.values()), tail_metrics, markers, exc, cut_short, code, sig_no, stopped_by, dropped, comp.table,
+    return Findings(list(by_id.values()), tail_metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
-                    transient=transient, finished_at=finished_at)
+                    transient=transient, finished_at=finished_at, last_traceback_at=head)
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
