@@ -369,6 +369,11 @@ def test_nan_grad_norms_of_skipped_fp16_steps_are_set_aside_in_any_format_but_a_
     c = classify_text(dicts)
     assert c.failure_class == "none" and c.runner_up.failure_class == "divergence"  # never silent: named and shown
     assert any("'grad_norm': nan" in text for _, text in c.evidence) and "skipped" in c.reason
+    # Read from records alone (a log history saved as CSV, dev10o-006), the set-aside NaN lines are shown the same way.
+    csv = "step,loss,grad_norm\n" + "".join(f"{i},{1.0 - 0.01 * i:.4f},{g}\n" for i, g in enumerate(norms, 1))
+    c = classify_text(csv)
+    assert c.failure_class == "none" and c.runner_up.failure_class == "divergence"
+    assert any(",nan" in text for _, text in c.evidence) and "skipped" in c.reason
     # Megatron's own count of NaN iterations is no record: it keeps the hit.
     assert "nonfinite-grad-norm" in _find_ids(dicts + "number of nan iterations: 3\n")
     # Keras' `loss: inf` for the epochs whose running mean took an overflowed batch, finite after (d12y-012): a

@@ -563,8 +563,15 @@ def _set_aside_transients(by_id: dict[str, Hit], rules: "NumberRules") -> list[H
     dicts read as its log history saved as CSV does; Megatron's "number of nan iterations" or any other line
     keeps the hit. A NaN/inf loss is never set aside: numbers that went wrong stay wrong."""
     lines = rules.transient_lines()
+    if not lines:
+        return []
     hit = next((h for h in by_id.values() if h.signal.records_rule == "nonfinite-grad-norm"), None)
-    if lines and hit is not None and hit.last_line in lines and all(n in lines for n, _ in hit.lines):
+    if hit is None:
+        # Only the records showed them (a CSV log history): the set-aside hit quotes those records.
+        sig = rules.comp.by_rule.get("nonfinite-grad-norm")
+        return [Hit(sig, [(m.line, m.text) for m in rules.grad_bad][:MAX_LINES_PER_HIT], "NaN grad norms of skipped steps",
+                    last=max(lines))] if sig else []
+    if hit.last_line in lines and all(n in lines for n, _ in hit.lines):
         return [by_id.pop(hit.id)]
     return []
 
