@@ -230,6 +230,19 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
     return _by_signals(f, cls, by_class[cls], conf, runner_up, summary, dropped_note, comp, platform, memory)
 
 
+def _why_not_fatal(f: Findings, first: int) -> str:
+    """Why the error at line `first` did not end the run (f.went_on, or f.threads.only_threads_failed)."""
+    if f.went_on:
+        return (f" The run went on past the error at line {first} ({f.table.records.went_on_records} or more logged "
+                f"records, a progress bar run to its total, or the trainer's end-of-training line, after it), so it was "
+                f"caught, not fatal.")
+    if f.threads.thread_headers:
+        return (f" The error at line {first} was raised in a thread other than the main one (\"Exception in thread\"), "
+                f"which Python reports and the program outlives, and the program printed on after it.")
+    return (f" Python reported the error at line {first} as ignored (\"Exception ignored in\": raised in a finaliser "
+            f"or callback, where it cannot stop the program), so the run did not end on it.")
+
+
 def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -> Classification:
     what = (f"{summary['losses']} logged loss values look healthy" if summary.get("losses")
             else "no failure lines and no failure signal")
@@ -240,14 +253,7 @@ def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -
         # Never silent: the error lines the run went on past are named, with the class they would suggest.
         extra = ([f.exception] if f.exception else []) + f.markers[-2:]
         first = f.exception[0] if f.exception else min(n for n, _ in extra)
-        reason += (f" The run went on past the error at line {first} ({f.table.records.went_on_records} or more logged "
-                   f"records, a progress bar run to its total, or the trainer's end-of-training line, after it), so it was "
-                   f"caught, not fatal." if f.went_on else
-                   f" The error at line {first} was raised in a thread other than the main one (\"Exception in thread\"), "
-                   f"which Python reports and the program outlives, and the program printed on after it."
-                   if f.threads.thread_headers else
-                   f" Python reported the error at line {first} as ignored (\"Exception ignored in\": raised in a finaliser "
-                   f"or callback, where it cannot stop the program), so the run did not end on it.")
+        reason += _why_not_fatal(f, first)
         conf = min(conf, 0.7)
         runner_up = RunnerUp("environment", 0.25, f"the error at line {first} if it did stop part of the run (a worker, an "
                                                   f"upload, a callback) - check what it belonged to")

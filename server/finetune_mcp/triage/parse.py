@@ -4,8 +4,9 @@ Each line that carries a known metric becomes one Metric. The formats read: Pyth
 Trainer, ms-swift, Axolotl; also inside tqdm redraws and markdown quotes), JSON lines and a whole
 trainer_state.json (log_history), `key=value` / `key: value` / `key value` pairs (Megatron, DeepSpeed,
 verl, MLX, Keras, torchtune, plain prints), pipe-, tab- and comma-separated tables with a header row
-(Keras' CSVLogger, a log history saved as CSV), and DeepSpeed / apex loss-scale cuts. Which key means which metric is data: the `metric_keys` of the failure-signals
-table. The parsers are the standard library's own (json, ast.literal_eval) plus one pair regex.
+(Keras' CSVLogger, a log history saved as CSV), and DeepSpeed / apex loss-scale cuts. Which key means
+which metric is data: the `metric_keys` of the failure-signals table. The parsers are the standard
+library's own (json, ast.literal_eval) plus one pair regex.
 """
 
 from __future__ import annotations
@@ -434,7 +435,9 @@ _TASK_LABEL = re.compile(r"^\s*\d{1,4}:[ \t]+(?=\S+$)")
 
 
 class MetricTable:
-    """A pipe-, tab- or comma-separated table: a header row of words, then rows of numbers."""
+    """A pipe-, tab- or comma-separated table: a header row of words, then rows of numbers. It is the line
+    readers' state across lines (and across a streamed log's chunks), so it also keeps the epoch the last
+    `Epoch 3/10` line announced (see line_metrics)."""
 
     def __init__(self, keys: KeyMap):
         self.keys = keys

@@ -367,9 +367,9 @@ class Findings:
 
     @property
     def went_on(self) -> bool:
-        """The run logged went_on_records metric records after its last exception and failure line, or a
-        progress bar reached its total after it, or the trainer said it finished: what was printed was caught (a warning with a traceback, a
-        retried worker, a failed upload, a shell's complaint before the job ran), not fatal."""
+        """The run logged went_on_records metric records after its last exception and failure line, a progress
+        bar reached its total after it, or the trainer said it finished: what was printed was caught (a warning
+        with a traceback, a retried worker, a failed upload, a shell's complaint before the job ran), not fatal."""
         last = max(([self.exception[0]] if self.exception else []) + [n for n, _ in self.markers], default=0)
         if last and self.bar_done and self.bar_done > last:
             return True  # a loop ran to its total after the error
@@ -563,14 +563,13 @@ def _set_aside_transients(by_id: dict[str, Hit], rules: "NumberRules") -> list[H
     dicts read as its log history saved as CSV does; Megatron's "number of nan iterations" or any other line
     keeps the hit. A NaN/inf loss is never set aside: numbers that went wrong stay wrong."""
     lines = rules.transient_lines()
-    if not lines:
+    sig = rules.comp.by_rule.get("nonfinite-grad-norm")
+    if not lines or sig is None:
         return []
-    hit = next((h for h in by_id.values() if h.signal.records_rule == "nonfinite-grad-norm"), None)
+    hit = by_id.get(sig.id)
     if hit is None:
         # Only the records showed them (a CSV log history): the set-aside hit quotes those records.
-        sig = rules.comp.by_rule.get("nonfinite-grad-norm")
-        return [Hit(sig, [(m.line, m.text) for m in rules.grad_bad][:MAX_LINES_PER_HIT], "NaN grad norms of skipped steps",
-                    last=max(lines))] if sig else []
+        return [Hit(sig, [(m.line, m.text) for m in rules.grad_bad], "NaN grad norms of skipped steps", last=max(lines))]
     if hit.last_line in lines and all(n in lines for n, _ in hit.lines):
         return [by_id.pop(hit.id)]
     return []
@@ -840,7 +839,8 @@ class NumberRules:
                 self.big_max = max(self.big_max, v)
             if math.isfinite(v):
                 self.grad_finite_after += 1
-                self.grad_finite_since += 1 if self.grad_bad else 0
+                if self.grad_bad:
+                    self.grad_finite_since += 1
                 self.grad_norm_max = v if self.grad_norm_max is None else max(self.grad_norm_max, v)
         if m.loss == 0 and m.grad_norm is not None and math.isnan(m.grad_norm) and len(self.zero_nan) < MAX_LINES_PER_HIT:
             self.zero_nan.append(m)
