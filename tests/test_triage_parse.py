@@ -103,6 +103,52 @@ def test_cost_and_perplexity_keys():
     m = _one("| epoch  10 |  1800/ 2983 batches | lr 1.2500 | ms/batch 11.38 | loss  7.14 | ppl  1264.60")
     assert (m.loss, m.named) == (7.14, {"ppl:ppl": 1264.6})
     assert _one("Total Cost: 2").loss is None  # a count, not a cost function
+    # A line that names only its cost (no step, no lr) is still read: `cost` is a listed loss key.
+    assert _one("Epoch 3: cost=0.5").loss == 0.5
+
+
+def test_objectives_printed_under_their_own_names_are_losses():
+    from finetune_mcp.triage.parse import key_kind
+
+    assert {k: key_kind(k) for k in ("nll", "train_bce", "xent", "ctc", "bpd", "val_nll", "mse", "bce_weight")} == {
+        "nll": "loss", "train_bce": "loss", "xent": "loss", "ctc": "loss", "bpd": "loss", "val_nll": "eval_loss",
+        "mse": None, "bce_weight": None}
+    assert _one("Epoch 3: nll=2.25").named == {"loss:nll": 2.25}
+
+
+def test_a_torch_tensor_printed_whole_is_its_number():
+    # Plain PyTorch loops print the loss tensor itself: `print(f"Loss: {loss}")`.
+    assert _one("Epoch 3, Loss: tensor(2.3456, device='cuda:0', grad_fn=<AddBackward0>)").loss == 2.3456
+    assert _one("loss = tensor([0.52], device='cuda:0')").loss == 0.52
+    assert math.isnan(_one("Epoch 9, Loss: tensor(nan, device='cuda:0', grad_fn=<AddBackward0>)").loss)
+
+
+def _sb3_table(value_loss: str, timesteps: int) -> str:
+    # Stable-Baselines3's logger (HumanOutputFormat): one key | value row per metric, sections ending in "/".
+    rows = [("rollout/", ""), ("   ep_len_mean", "200"), ("   ep_rew_mean", "-1.2e+03"), ("time/", ""),
+            ("   total_timesteps", str(timesteps)), ("train/", ""), ("   approx_kl", "0.012"),
+            ("   entropy_loss", "-1.42"), ("   loss", value_loss), ("   value_loss", value_loss)]
+    rule = "-" * 41
+    return "\n".join([rule] + [f"| {k:<24}| {v:<12}|" for k, v in rows] + [rule]) + "\n"
+
+
+def test_an_index_printed_before_a_dict_and_a_best_so_far_start_value():
+    # `logger.info(f"Epoch {e}: {metrics}")`: the epoch before the dict is the record's, so a relaunch (epoch 0
+    # again) starts a new run (d14fa-001).
+    [m] = parse_text("2025-02-22 12:18:24,569 - titans_training - INFO - Epoch 50: {'loss': 1.1726027727127075}\n", KEYS)
+    assert (m.epoch, m.loss) == (50.0, 1.1726027727127075)
+    # A best-so-far tracker's +inf start value, printed when no epoch ran (d14fa-006), is no loss; a NaN is.
+    assert _one("Best model found at epoch 0, Val Loss: inf, AUC: 0.00%, AP: 0.00%").eval_loss is None
+    assert math.isnan(_one("Best model found at epoch 3, Val Loss: nan").eval_loss)
+
+
+def test_a_key_value_table_is_one_record():
+    rows = parse_text(_sb3_table("12.5", 2048) + _sb3_table("nan", 4096), KEYS)
+    assert [(m.step, m.rl) for m in rows] == [(2048.0, True), (4096.0, True)]
+    assert rows[0].loss == 12.5 and rows[0].named == {"kl:approx kl": 0.012, "loss:entropy loss": -1.42, "loss:value loss": 12.5}
+    assert math.isnan(rows[1].loss) and "nan" in rows[1].text  # evidence quotes the row that went non-finite
+    # A log that ends inside a table still gives its record.
+    assert len(parse_text(_sb3_table("3.0", 2048).rsplit("-" * 41, 1)[0], KEYS)) == 1
 
 
 def test_megatron_iteration_lines_as_its_format_string_prints_them():
@@ -301,7 +347,7 @@ def test_named_metrics_of_any_name_and_format():
     assert kinds == {"value_loss": "loss", "actor/pg_loss": "loss", "loss_a": "loss", "lm loss avg": "loss", "kl": "kl",
                      "approx_kl": "kl", "model_grad_norm": "grad_norm", "grad_norm_actor/Max": "grad_norm", "grad_scale": "loss_scale",
                      "scaler": "loss_scale", "eval/val_loss": "eval_loss", "max_grad_norm": None, "kl_coef": None,
-                     "init_loss_scale": None, "reward": None, "loss_weight": None, "DecoderLoss": "loss", "GradNormST": "grad_norm"}
+                     "init_loss_scale": None, "reward": "reward", "loss_weight": None, "DecoderLoss": "loss", "GradNormST": "grad_norm"}
     m = _one("step 7 | loss_a=1.25 loss_b=inf grad_norm=nan")
     assert m.step == 7 and m.named["loss:loss a"] == 1.25 and math.isinf(m.named["loss:loss b"]) and math.isnan(m.grad_norm)
     plain = _one("Epoch 3 Step 40 loss 2.1")

@@ -146,6 +146,40 @@ def test_flat_and_zero_losses_and_grad_explosion():
      "nonfinite-loss"),
     ("WARNING: non-finite loss, ending training  tensor([nan, nan], device='cuda:0')", "nonfinite-loss"),
     ("ValueError: The parameter loc has invalid values", "nonfinite-printout"),  # torch.distributions before 1.8
+    # Seventh round: wordings a helper copied from the libraries' and schedulers' own sources (each cited in the table).
+    ("Status:   Failed\nReason:   Evicted\nMessage:  The node was low on resource: memory. Threshold quantity: 100Mi",
+     "kernel-oom-killer"),  # kubelet's eviction message
+    ("slurmstepd: error: StepId=4242424.0 exceeded virtual memory limit (137438953472 > 103079215104), being killed",
+     "slurm-memory-limit-kill"),
+    ("Job 4242424 exceeded memory limit (68719476736>64424509440), cancelling it", "slurm-memory-limit-kill"),
+    ("=>> PBS: job killed: mem 59756048kb exceeded limit 20971520kb", "slurm-memory-limit-kill"),  # OpenPBS pbs_mom
+    ('job 4242424 exceeds job hard limit "h_vmem" of queue "gpu.q@node017" (17179869184.00000 > limit:17179869184.00000) '
+     "- sending SIGKILL", "slurm-memory-limit-kill"),  # Grid Engine execd
+    ("Job has gone over cgroup memory limit of 16384 megabytes. Last measured usage: 16401 megabytes.",
+     "slurm-memory-limit-kill"),  # HTCondor starter
+    ("=>> PBS: job killed: walltime 86415 exceeded limit 86400", "slurm-time-limit"),
+    ("job 4242424.1 exceeded hard wallclock time - initiate terminate method", "slurm-time-limit"),
+    ("Requeued SLURM job: 123456", "slurm-cancelled"),  # Lightning's auto-requeue on the scheduler's signal
+    ("[rank: 0] Received SIGTERM: 15", "slurm-cancelled"),
+    ("The node was low on resource: ephemeral-storage. Threshold quantity: 10Gi, available: 2Gi.", "disk-full"),
+    ("NCCL WARN socketProgress: Connection closed by remote peer gpu-node-018<45678>", "nccl-error"),
+    ("ncclRemoteError: remote process exited or there was a network error", "nccl-error"),
+    ("FloatingPointError: Fatal error: gradients are inconsistent between workers. Try --ddp-backend=legacy_ddp.",
+     "nccl-error"),  # fairseq's check across workers: the distributed setup, not the numbers
+    ("One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting for "
+     "remainder of ranks for more than 60 seconds.", "nccl-timeout"),  # Horovod's stall inspector
+    ("Attempted to use bitsandbytes native library functionality but it's not available.", "bitsandbytes-setup"),
+    ("RuntimeError: No executable batch size found, reached zero.", "backend-oom"),  # accelerate's batch-size finder
+    ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`", "backend-oom"),
+    ("Invalid nan value encountered in the output of a jax.jit function. Calling the de-optimized version.",
+     "nonfinite-printout"),  # jax_debug_nans
+    ("Divergence threshold reached: val_loss = 12.5 > 10.0. Signaling Trainer to stop.", "nonfinite-printout"),
+    ("UserWarning: found inf in observations, found nan in rewards.", "nonfinite-printout"),  # SB3's VecCheckNan
+    ("found Inf in local grad norm for bucket #2 in backward pass before data-parallel communication collective",
+     "nonfinite-printout"),  # Megatron-core
+    ("Unexpected result 11.73 on rank 5 at iteration #40211 invokation #1 (message='Spiky loss')", "nonfinite-printout"),
+    ("Checking c : Tensor had Inf values", "nonfinite-printout"),  # tf.debugging.check_numerics
+    ("`Trainer.fit` stopped: No training batches.", "empty-training-data"),
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
@@ -170,6 +204,36 @@ def test_exit_status_and_failure_evidence():
     assert "tool-failure" not in [h.id for h in find("FATAL:root:checkpoint dir missing, creating it\nWe could not override defaults here\n").hits]
 
 
+def test_failure_lines_without_a_known_cause_still_fail_the_run():
+    # srun's abort notice, and an exception whose class name does not end in Error, named by its module path.
+    for last in ("srun: Job step aborted: Waiting up to 32 seconds for job step to finish.",
+                 "huggingface_hub.errors.OfflineModeIsEnabled: Cannot reach https://huggingface.co/api/models/gpt2: "
+                 "offline mode is enabled.",
+                 "ERROR [05/01 12:00:00 d2.engine.train_loop]: Exception during training:"):  # detectron2's logger
+        assert find(last + "\n").failed, last
+    assert not find("transformers.modeling_utils: loading weights file model.safetensors\n").failed
+
+
+def test_a_loggers_error_level_line_the_log_ends_on_is_a_failure():
+    # The level is a prefix the cleaned text drops, so these are matched on the raw line (failure_levels).
+    records = "".join(f"Epoch 1 Step {i * 10} loss {2.5 - 0.01 * i:.4f}\n" for i in range(30))
+    for last in ("2024-01-01 10:00:00 ERROR trainer: training failed: dataset shard 3 unreadable",
+                 "2024-01-01 10:00:00,120 - trainer - ERROR - shard 3 unreadable",  # python logging's default format
+                 "ERROR:root:shard 3 unreadable",
+                 "2024-01-01 10:00:00.120 | ERROR    | train:main:41 - shard 3 unreadable",  # loguru
+                 "\x1b[31m[ERROR]\x1b[0m shard 3 unreadable",
+                 "2024-01-01 10:00:00 CRITICAL shard 3 unreadable",
+                 "F1207 12:00:00.123456  4321 solver.cpp:94] Check failed: status == CUBLAS_STATUS_SUCCESS",  # glog FATAL
+                 "train.py: error: unrecognized arguments: --lora_rnk 8"):  # argparse, exit status 2
+        f = find(records + last + "\n")
+        assert f.failed and f.markers[-1][1] == last, last
+        assert classify_text(records + last + "\n").failure_class != "none", last
+    # Look-alikes: wandb's retries put no delimiter after the level, and a run that logs on past an ERROR went on.
+    assert not find(records + "wandb: ERROR Error while calling W&B API: context deadline exceeded\n").failed
+    assert not find("2024-01-01 10:00:00 ERROR loader: retrying shard 3\n" + records).failed
+    assert not find(records + "I1207 12:00:00.123456  4321 solver.cpp:94] Iteration 300, loss = 2.2\n").failed
+
+
 # --- issue 32: any named metric, loss scales, text as logs are, big logs streamed ------------------
 
 
@@ -191,6 +255,32 @@ def test_spike_and_rise_in_a_named_loss_series():
     assert "loss-spike" not in _ids(_named("loss:value loss", [2.0, 1.9, 1.8, 1.7, 1.8 * k * 0.9]))
     rise = [3.0, 2.0, 1.0] + [1.1] * RULES.rise_min_history + [RULES.rise_factor * 1.01]
     assert "loss-rise" in _ids(_named("loss:actor pg loss", rise))
+
+
+def test_a_signed_objective_of_an_rl_trainer_has_no_spike_or_rise():
+    # SB3's policy-gradient loss hovers around 0 on both sides: 1e-6 to 1e-3 is no rise, whatever the ratio.
+    values = [-0.001, 0.000001, -0.0008, 0.00001] * 6 + [0.002] * 3
+
+    def ids(vals, rl):
+        ms = _named("loss:policy gradient loss", vals)
+        for m in ms:
+            m.rl = rl
+        return _ids(ms)
+    assert ids(values, rl=True) == []
+    assert "loss-rise" in ids([abs(v) for v in values], rl=True)  # a loss that never went below 0 is read
+    assert "loss-rise" in ids(values, rl=False)  # outside RL the positive values of a named loss are read as before
+
+
+def test_a_reinforcement_learning_loss_must_rise_further():
+    # Beside a reward, a loss follows the returns: rl_rise_factor, not rise_factor, makes a rise.
+    def curve(top, rl):
+        ms = _losses([3.0, 2.0, 1.0] + [1.1] * RULES.rise_min_history + [top])
+        for m in ms:
+            m.rl = rl
+        return _ids(ms)
+    between = (RULES.rise_factor + RULES.rl_rise_factor) / 2
+    assert "loss-rise" in curve(between, rl=False) and "loss-rise" not in curve(between, rl=True)
+    assert "loss-rise" in curve(RULES.rl_rise_factor * 1.1, rl=True)
 
 
 def test_loss_scale_halving_step_after_step_once_settled():

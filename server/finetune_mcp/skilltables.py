@@ -373,6 +373,7 @@ class RecordRules(Strict):
     went_on_records: int = Field(0, ge=0, description="metric records logged after the last error line that show the run went on (0: never)")
     stop_echo_lines: int = Field(20, ge=0, description="a traceback starting within this many lines after a Ctrl-C is the stop's echo (workers, shutdown), not a failure of its own")
     rise_factor: float = Field(gt=1, description="the last loss at this x the minimum before it is a divergence")
+    rl_rise_factor: float = Field(20.0, gt=1, description="rise_factor for a reinforcement-learning trainer's losses, which follow its returns")
     rise_min_history: int = Field(ge=1, description="losses needed before the minimum counts")
     rise_back_to: float = Field(gt=0, description="and the last loss is at least this fraction of the first: it climbed back, not a converged run's noise")
     flat_identical_run: int = Field(ge=2)
@@ -413,14 +414,24 @@ class FailureSignalsTable(Strict):
     metric_keys: MetricKeys
     failure_markers: list[str] = Field(min_length=1, description="lines that show the run failed, whatever the cause")
     finished_markers: list[str] = Field(default_factory=list, description="lines a trainer prints when training ran to its end: an error before one did not stop the run")
+    failure_levels: list[str] = Field(default_factory=list, description="failure markers matched on the raw line, before prefixes (timestamps, log levels) are removed: a logger's ERROR / FATAL line")
     fallback: list[FallbackRule] = Field(min_length=1, description="the class of a failure no signal names, by exception type")
     cut_traceback: list[FallbackRule] = Field(default_factory=list, description="read first on the innermost frames when the excerpt stops inside a traceback")
     fallback_priority: int = Field(ge=0, le=100, description="the weight a fallback class carries against other signals")
 
-    @_field_validator("failure_markers", "finished_markers")
+    @_field_validator("failure_markers", "finished_markers", "failure_levels")
     @classmethod
     def _valid(cls, v):
         return _compiles(v)
+
+    @_field_validator("failure_levels")
+    @classmethod
+    def _level_word(cls, v):
+        # triage tries these only on lines holding a level word (signals._LEVEL_WORDS)
+        for p in v:
+            if not any(w in p for w in ("ERROR", "FATAL", "CRITICAL")):
+                raise ValueError(f"failure_levels pattern {p!r} names no level: it must hold ERROR, FATAL or CRITICAL")
+        return v
 
     @_model_validator(mode="after")
     def _unique(self):

@@ -27,7 +27,9 @@ _NUM = r"[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-
 # then a number not glued to more word characters. Separators between pairs (| , ; tabs, " - ") are
 # split on first, so a key never spans two fields; a key that is not in metric_keys is ignored whole
 # ("mtp 1 loss" is not the loss).
-_PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?\s*(?:[:=]\s*['\"]?\[?|\s+)\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
+# A torch tensor printed whole (`Loss: tensor(2.3456, device='cuda:0', grad_fn=<AddBackward0>)`, `tensor([nan])`)
+# is its number: plain PyTorch loops print the loss that way.
+_PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?\s*(?:[:=]\s*['\"]?\[?|\s+)(?:tensor\(\[{0,2})?\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
 _SPLIT = re.compile(r"\s*(?:\||│|,|;|\t| - )\s*")
 _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
 # wandb refusing a record logged with a step behind its own: "(User provided step: 883 is less than current step:
@@ -176,7 +178,9 @@ def key_kind(key: str) -> str | None:
         return None
     if toks[0] == "kl" or toks[-1] == "kl" or "kl" in toks[:2] and "div" in toks:
         return "kl"
-    if any(t == "losses" or t.endswith("loss") for t in toks):
+    if any(t in _REWARD_WORDS for t in toks):
+        return "reward"
+    if any(t == "losses" or t.endswith("loss") or t in _LOSS_NAMES for t in toks):
         if "scale" in toks or "scaler" in toks:
             return "loss_scale"
         return "eval_loss" if any(t in ("eval", "val", "valid", "validation", "test", "dev") for t in toks) else "loss"
@@ -192,6 +196,15 @@ def key_kind(key: str) -> str | None:
 
 
 _CAMEL = re.compile(r"(?<=[a-z])(?=[A-Z])")
+# Objectives printed under their own names, not "loss": negative log-likelihood, binary cross-entropy,
+# cross-entropy as `xent`, CTC, bits per dimension, a cost. MSE is left out: scripts print it as an evaluation
+# score after training (`CNN - MSE: 0.0044`) as often as a training loss, and those prints would count as records.
+_LOSS_NAMES = frozenset({"nll", "bce", "xent", "ctc", "bpd", "cost"})
+# A reward or return beside a loss marks a reinforcement-learning trainer's record (SB3's rollout/ep_rew_mean, TRL's
+# reward, verl's critic/rewards/mean, CleanRL's episodic_return). Its losses are a weaker measure of progress: a
+# value loss tracks the returns, which grow as the policy improves, so a rise must reach rl_rise_factor, and a
+# signed surrogate (a policy-gradient loss around 0) has no spikes or rise (signals.NumberRules.signed).
+_REWARD_WORDS = frozenset({"reward", "rewards", "rew", "return", "returns", "eprewmean"})
 _SETTING_FIRST = {"max", "min", "clip", "init", "initial", "target", "use", "enable"}
 _SETTING_WORDS = {"clipping", "threshold", "coef", "coeff", "weight", "lr", "time", "ms", "sec", "window", "factor", "power"}
 
@@ -215,6 +228,7 @@ class Metric:
     named: dict[str, float] = field(default_factory=dict)  # normalised key -> value, for keys key_kind names
     loss_key: str = ""  # the key the loss was logged under (normalised): 'loss' and 'avg loss' are two series
     seen_as: int | None = None  # hash of the line as the readers saw it (clean_line): a redraw repeats it under a new timestamp
+    rl: bool = False  # the record also logs a reward or return: a reinforcement-learning trainer's (see key_kind)
 
     def has(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -357,6 +371,9 @@ def _assign(m: Metric, keys: KeyMap, key: str, value: Any) -> bool:
     if name is None:
         return False
     if ":" in name:
+        if name.startswith("reward:"):
+            m.rl = True
+            return False
         num = to_number(value)
         if num is None or (num == math.inf and name.partition(":")[2].startswith(("best ", "lowest "))):
             return False  # a best-so-far tracker starts at +inf before any loss was computed
@@ -397,9 +414,16 @@ def _from_dicts(m: Metric, keys: KeyMap, line: str) -> bool:
 
 def _from_pairs(m: Metric, keys: KeyMap, line: str) -> bool:
     found = False
+    best = None
     for part in _SPLIT.split(line):
         for pm in _PAIR.finditer(part):
-            found |= _assign(m, keys, pair_key(pm.group("key")), pm.group("val"))
+            val = pm.group("val")
+            if val[-1] in "fFyY" and val[0] != "-":  # +inf: on a best-so-far report, the tracker's start value
+                if best is None:
+                    best = "best" in line.lower()
+                if best:
+                    continue  # `Best model found at epoch 0, Val Loss: inf` (no epoch ran): no loss was computed
+            found |= _assign(m, keys, pair_key(pm.group("key")), val)
     return found
 
 
@@ -421,7 +445,7 @@ def pair_key(key: str) -> str:
 
 _NUMBER_CELL = re.compile(r"(?:^|[|│\t])\s*[-+]?\.?\d")
 # The pair reader runs only on lines that name a metric the table or key_kind can know.
-_METRIC_WORD = re.compile(r"loss|norm|scal|lr\b|learning|kl|perplexity|ppl|step|iter", re.I)
+_METRIC_WORD = re.compile(r"loss|norm|scal|lr\b|learning|kl|perplexity|ppl|step|iter|cost|nll|bce|xent|ctc|bpd", re.I)
 
 
 # A CSV file's header (Keras' CSVLogger `epoch,loss,val_loss`, Lightning's metrics.csv, a trainer's log history
@@ -435,8 +459,9 @@ _TASK_LABEL = re.compile(r"^\s*\d{1,4}:[ \t]+(?=\S+$)")
 
 
 class MetricTable:
-    """A pipe-, tab- or comma-separated table: a header row of words, then rows of numbers. It is the line
-    readers' state across lines (and across a streamed log's chunks), so it also keeps the epoch the last
+    """A pipe-, tab- or comma-separated table: a header row of words, then rows of numbers; or a key | value
+    table, one metric per row (Stable-Baselines3's and OpenAI baselines' logger), which is one record. It is the
+    line readers' state across lines (and across a streamed log's chunks), so it also keeps the epoch the last
     `Epoch 3/10` line announced (see line_metrics)."""
 
     def __init__(self, keys: KeyMap):
@@ -444,6 +469,33 @@ class MetricTable:
         self.columns: list[str | None] | None = None
         self.csv = False  # the header read was a CSV one: its rows have commas and no other separator
         self.epoch: float | None = None  # the epoch the last `Epoch 3/10` line announced
+        self.vertical: Metric | None = None  # the open key | value table's record, given out when the table ends
+        self._rows, self._quoted_bad = 0, False
+
+    def _vertical_row(self, m: Metric, cells: list[str]) -> bool:
+        """`|    value_loss   | nan   |`: the row's metric goes to the open key | value table's record, whose
+        line and text are its first row's, or its first non-finite one's (what evidence should quote)."""
+        key, cell = cells[0].strip(), cells[1]
+        num = to_number(cell)
+        if num is None or not key or to_number(key) is not None:
+            return False
+        rec = self.vertical
+        if rec is None:
+            rec = self.vertical = Metric(m.line, m.text, source="table")
+            self._rows, self._quoted_bad = 0, False
+        if _assign(rec, self.keys, key, cell):
+            self._rows += 1
+            if not math.isfinite(num) and not self._quoted_bad:
+                rec.line, rec.text, self._quoted_bad = m.line, m.text, True
+        return True
+
+    def flush(self) -> Metric | None:
+        """The open key | value table's record, when it carries a metric; the table is closed."""
+        rec, self.vertical = self.vertical, None
+        if rec is None or not carries(rec):
+            return None
+        rec.seen_as = hash((rec.text, self._rows, tuple(rec.named.items()), rec.loss, rec.grad_norm, rec.step))
+        return rec
 
     def _sep(self, line: str) -> str | None:
         if line.count("|") >= 2:
@@ -462,6 +514,8 @@ class MetricTable:
             self.columns = None
             return False
         cells = [c.strip() for c in line.strip().strip("|").split(sep)]
+        if sep == "|" and self.columns is None and len(cells) == 2 and self._vertical_row(m, cells):
+            return False  # the row went to the table's one record (see flush)
         if not _NUMBER_CELL.search(line) and all(to_number(c) is None for c in cells if c) and any(
                 self.keys.field_of(c) or self.keys.kind_of(c) for c in cells):
             self.columns = [c if (self.keys.field_of(c) or self.keys.kind_of(c)) else None for c in cells]
@@ -483,6 +537,8 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
         return m
     if _from_dicts(m, keys, line):
         m.source = "dict"
+        if m.epoch is None and m.step is None and 0 < (brace := line.find("{")) <= 40:
+            _from_pairs(m, keys, line[:brace])  # `Epoch 3: {'loss': 1.17}`: the index is printed before the dict
     if table is not None and table.feed(m, line):
         m.source = m.source or "table"
     cut = _SCALE_CUT.search(line) if ("educ" in line or "EDUC" in line) else None
@@ -514,7 +570,11 @@ def parse_text(text: str, keys: KeyMap, *, lines: list[str] | None = None, clean
     lines = split_lines(text) if lines is None else lines
     cleaned = clean_lines(lines) if cleaned is None else cleaned
     code = code_lines(cleaned) if code is None else code
-    return dedupe(list(line_metrics(lines, cleaned, code, keys, MetricTable(keys))))
+    table = MetricTable(keys)
+    found = list(line_metrics(lines, cleaned, code, keys, table))
+    if (rec := table.flush()) is not None:
+        found.append(rec)  # the log ended inside a key | value table
+    return dedupe(found)
 
 
 def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: KeyMap, table: MetricTable,
@@ -523,6 +583,8 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
     clean_lines gives them, `code` the indices IPython printed as source (skipped), `table` the table reader's
     state (kept across the chunks of a streamed log), `first_line` the number of lines[0] in the whole log."""
     for i, clean in enumerate(cleaned):
+        if table.vertical is not None and "|" not in clean and (rec := table.flush()) is not None:
+            yield rec  # a key | value table ends at its closing rule
         if len(clean) < 40 and "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
             table.epoch = float(head.group(1))  # Keras' `Epoch 3/10`: the records under it are that epoch's
             continue
@@ -583,10 +645,13 @@ def code_lines(clean: list[str], text: str | None = None) -> set[int]:
 # Outside a table, a line carries a metric only if it names one, holds a dict or cuts the loss scale
 # (the words of _METRIC_WORD, as plain substrings).
 _CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "{", "educ",
-                "keyboardinterrupt")
+                "keyboardinterrupt", "cost", "nll", "bce", "xent", "ctc", "bpd")
 # Python's exception line for Ctrl-C (or a notebook's stop button), as the traceback ends it, and Lightning's
 # warning when it catches one.
 _INTERRUPTED = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b|Detected KeyboardInterrupt, attempting graceful shutdown")
+
+
+_CARRY = re.compile("|".join(re.escape(w) for w in _CARRY_WORDS))
 
 
 def may_carry(clean: str, table: "MetricTable") -> bool:
@@ -596,8 +661,11 @@ def may_carry(clean: str, table: "MetricTable") -> bool:
         table.columns = None
     elif table.columns is not None:
         return not is_setting(clean)  # a row of the table whose header was read
-    low = clean.lower()  # `in` is far cheaper than a case-insensitive alternation on every line of a big log
-    return any(w in low for w in _CARRY_WORDS) and not is_setting(clean)  # a header names a metric too
+    elif clean.count("|") == 3 and clean.lstrip().startswith("|"):
+        return True  # a key | value table's row: a reward row marks the record, whatever its key
+    # One search of the lowered line for an alternation of literals: cheaper than a case-insensitive regex, and
+    # than one `in` per word, on every line of a big log.
+    return _CARRY.search(clean.lower()) is not None and not is_setting(clean)  # a header names a metric too
 
 
 def parse_records(records: Iterable[Any], keys: KeyMap) -> list[Metric]:

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -198,6 +198,7 @@ class Compiled:
                 self.unless[s.id] = [re.compile(p, flags) for p in s.unless]
         self.markers = [re.compile(p, re.M) for p in table.failure_markers]
         self.finished = [re.compile(p, re.M) for p in table.finished_markers]
+        self.levels = [re.compile(p, re.M) for p in table.failure_levels]
         self.literals = {p.pattern + str(p.flags): required_literals(p) for _, ps in self.line_signals for p in ps}
         self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers + self.finished})
         self.fallback = [(r, re.compile(r.match)) for r in table.fallback]
@@ -229,6 +230,7 @@ class Log:
     """
 
     def __init__(self, text: str | None = None, *, lines: list[str] | None = None, first_line: int = 1):
+        self.raw = text  # the text the lines were split from, when the caller has it (level_lines scans it)
         self.lines = split_lines(text) if lines is None else lines  # verbatim, for evidence
         self.clean = clean_lines(self.lines)  # what the patterns see (parse.clean_line)
         self.first_line = first_line  # the 1-based number of lines[0] in the whole log
@@ -270,6 +272,24 @@ class Log:
             else:
                 return False
         return True
+
+    def level_lines(self, comp: "Compiled") -> set[int]:
+        """0-based indexes of the lines a failure_levels pattern matches on the raw text (the level a logger
+        printed is one of the prefixes the clean text drops). Only the lines holding a level word are tried."""
+        if not comp.levels:
+            return set()
+        raw = self.raw if self.raw is not None else "\n".join(self.lines)
+        starts = sorted({raw.rfind("\n", 0, pos) + 1 for word in _LEVEL_WORDS for pos in _positions(raw, word)})
+        out: set[int] = set()
+        line = last = 0
+        for start in starts:
+            line += raw.count("\n", last, start)
+            last = start
+            end = raw.find("\n", start)
+            text = raw[start:end if end >= 0 else len(raw)]
+            if any(p.match(text) for p in comp.levels):
+                out.add(line)
+        return out
 
     def _lowered(self) -> str:
         self._lower = self.text.lower()
@@ -411,10 +431,21 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
     return out
 
 
-# key: nan / key=inf / 'key': -inf, the key up to four words (a tqdm postfix, a `key: value` print, a dict).
+_LEVEL_WORDS = ("ERROR", "FATAL", "CRITICAL")  # every failure_levels pattern holds one of these
+
+
+def _positions(text: str, word: str) -> Iterator[int]:
+    pos = text.find(word)
+    while pos >= 0:
+        yield pos
+        pos = text.find(word, pos + len(word))
+
+
+# key: nan / key=inf / 'key': -inf, the key up to four words (a tqdm postfix, a `key: value` print, a dict), or a
+# torch tensor printed whole (`loss: tensor(nan, device='cuda:0')`).
 _NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\[\]]*){0,3})['\"]?\s*[:=]\s*['\"]?"
-                             r"(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
-_NONFINITE_WORD = re.compile(r"[:=]\s*['\"]?[-+]?(?:nan|inf)", re.I)
+                             r"(?:tensor\(\[{0,2})?(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
+_NONFINITE_WORD = re.compile(r"[:=]\s*['\"]?(?:tensor\(\[{0,2})?[-+]?(?:nan|inf)", re.I)
 _EXCEPTION_NAME = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Warning)")
 # Slots NumberRules checks itself (a NaN loss is nonfinite-loss, not this rule's).
 _CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
@@ -589,6 +620,7 @@ class _Series:
     def __init__(self, rules, name: str = "loss"):
         self.rules = rules
         self.name = name  # what the verdict calls it: "loss" for the training loss under any of its keys
+        self.rl = False  # logged beside a reward: a reinforcement-learning trainer's loss (rl_rise_factor)
         self.window: deque[float] = deque(maxlen=rules.spike_window)
         self.spikes: list[tuple[Metric, float]] = []
         self.pending: list[tuple[Metric, float, int, float]] = []  # spikes not yet known to last: (metric, median, logs since, ratio)
@@ -662,7 +694,8 @@ class _Series:
             (low_v, low_m), last_v = self.smooth_low, min(self.smooth_tail)
         else:
             (low_v, low_m), last_v = self.low, self.last_value
-        if low_v > 0 and last_v >= r.rise_factor * low_v and last_v >= r.rise_back_to * self.first:
+        factor = r.rl_rise_factor if self.rl else r.rise_factor
+        if low_v > 0 and last_v >= factor * low_v and last_v >= r.rise_back_to * self.first:
             return low_m, low_v, self.last, last_v
         return None
 
@@ -700,6 +733,11 @@ class NumberRules:
         self.big_max = 0.0
         self.huge: list[tuple[Metric, str, float]] = []
         self._adv: dict[str, bool] = {}
+        # Named losses of a reinforcement-learning trainer's records (beside a reward) that printed a value below
+        # 0: signed surrogates (a PPO policy-gradient loss, an entropy bonus) hovering around 0, whose ratios say
+        # nothing, so they have no spikes and no rise. (Outside RL a named loss's negative values are skipped and
+        # its positive ones still read, as before: a loss can print negative values and still blow up.)
+        self.signed: set[str] = set()
         self.kl_low: tuple[Metric, str, float] | None = None
         self.kl_blow: tuple[Metric, str, float] | None = None
         self.scale_prev: float | None = None
@@ -816,11 +854,15 @@ class NumberRules:
                 self.huge.append((m, name, v))
             if not math.isfinite(v):
                 self._bad(m, name)
-            elif (v >= 0 or name == "loss") and not self._adversarial(name):
+            elif v < 0 and name != "loss":
+                if m.rl:
+                    self.signed.add(name)
+            elif not self._adversarial(name):
                 key = name if name != "loss" else m.loss_key or "loss"  # each key its own curve: 'loss', 'avg loss'
                 se = self.series.get(key)
                 if se is None:
                     se = self.series[key] = _Series(self.r, name)
+                se.rl = se.rl or m.rl
                 se.feed(m, v)
         for name, v in grads:
             self.grad_last.append(math.isfinite(v))
@@ -975,7 +1017,7 @@ class NumberRules:
         if not self._grad_transient():
             add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
-        every = [(se.name, se) for se in self.closed_series + list(self.series.values())]
+        every = [(se.name, se) for se in self.closed_series + list(self.series.values()) if se.name not in self.signed]
         spikes = [(name, sp) for name, se in every for sp in se.lasting_spikes()]
         if spikes:
             name, (m, med) = min(spikes, key=lambda x: x[1][0].line)
@@ -1111,6 +1153,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     for m in comp.markers:
         if log.may_match(m, comp):
             marked |= set(log.scan(m))
+    marked |= log.level_lines(comp)
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
     finished_at = last_finished(log, comp)
     exc = last_exception(log)
@@ -1177,12 +1220,13 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 continue
             chunk, carry = data[:cut + 1], data[cut + 1:]
             del data  # one copy of the chunk in memory, not two
-            log = Log(lines=split_lines(chunk), first_line=first_line)
+            log = Log(chunk, first_line=first_line)
             _merge_hits(by_id, [*word_hits(log, comp).values(), *nonfinite_metric_hits(log, comp)], most=MAX_LINES_PER_HIT * 4)
             marked: set[int] = set()
             for m in comp.markers:
                 if log.may_match(m, comp):
                     marked |= set(log.scan(m))
+            marked |= log.level_lines(comp)
             markers = _ends(markers + [(i + first_line, log.lines[i]) for i in sorted(marked)])
             exc = last_exception(log) or exc
             head = last_traceback(log) or head
@@ -1201,6 +1245,10 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             first_line += len(log.lines)
             if not block:
                 break
+    if (rec := metric_table.flush()) is not None and not (prev is not None and same_record(prev, rec)):
+        rules.feed(rec)  # the log ended inside a key | value table
+        tail_metrics.append(rec)
+        record_lines.append(rec.line)
     for k, h in exit_hits(comp, code, sig_no, stopped_by).items():
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
