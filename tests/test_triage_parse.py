@@ -142,6 +142,34 @@ def test_an_index_printed_before_a_dict_and_a_best_so_far_start_value():
     assert math.isnan(_one("Best model found at epoch 3, Val Loss: nan").eval_loss)
 
 
+def test_darknet_iteration_lines_and_mxnet_cross_entropy():
+    # darknet's detector.c: `%d: %f, %f avg loss, %f rate, ...` (pjreddie's original prints `avg,`); the running
+    # average is the loss, and a NaN prints as `-nan` - whose line the prefix cleaner would cut the iteration from.
+    rows = parse_text(" 8001: 0.595442, 0.612300 avg loss, 0.001300 rate, 13.209250 seconds, 512064 images, -1.000000 hours left\n"
+                      " 8002: -nan, -nan avg, 0.001300 rate, 13.1 seconds, 512128 images\n", KEYS)
+    assert (rows[0].step, rows[0].loss, rows[0].lr) == (8001.0, 0.6123, 0.0013)
+    assert rows[1].step == 8002.0 and math.isnan(rows[1].loss)
+    assert _one("Epoch[3] Batch [200]\tSpeed: 512.3 samples/sec\tTrain-cross-entropy=2.531").named == {"loss:train cross entropy": 2.531}
+
+
+def test_a_space_aligned_table_under_a_header_of_names():
+    # fastai's Recorder prints its table aligned with spaces; a NaN epoch there is a NaN loss.
+    rows = parse_text("epoch     train_loss  valid_loss  accuracy  time    \n"
+                      "0         0.523456    0.434567    0.812345  00:10     \n"
+                      "1         nan         nan         0.100000  00:10     \n"
+                      "Better model found at epoch 0 with valid_loss value: 0.434567.\n", KEYS)
+    assert [(m.epoch, m.loss) for m in rows[:1]] == [(0.0, 0.523456)] and math.isnan(rows[1].loss)
+    # Prose naming one metric is no header, and the numbers after it are no row.
+    assert parse_text("the loss went down nicely here\n3 1.2 0.5 0.1 0.2 0.7\n", KEYS) == []
+
+
+def test_msvc_printf_nan_and_inf():
+    # A Windows build of Caffe or darknet printed NaN as 1.#QNAN / -1.#IND: read as a number it would be 1.0.
+    assert math.isnan(_one("Iteration 100, loss = 1.#QNAN").loss)
+    assert math.isnan(_one("Iteration 200, loss = -1.#IND").loss)
+    assert _one("Iteration 300, loss = 1.#INF").loss == math.inf
+
+
 def test_a_key_value_table_is_one_record():
     rows = parse_text(_sb3_table("12.5", 2048) + _sb3_table("nan", 4096), KEYS)
     assert [(m.step, m.rl) for m in rows] == [(2048.0, True), (4096.0, True)]

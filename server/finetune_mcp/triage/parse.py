@@ -22,7 +22,10 @@ from typing import Any, Iterable, Iterator, Mapping
 
 FIELDS = ("step", "loss", "eval_loss", "grad_norm", "lr", "loss_scale", "epoch", "run_end")
 
-_NUM = r"[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
+# MSVC's printf before VS 2015 wrote NaN and inf as `1.#QNAN`, `-1.#IND`, `1.#INF` (a Windows build of Caffe or
+# darknet): read as numbers they would be 1.0.
+_NUM = r"[-+]?(?:nan|inf(?:inity)?|1\.#(?:QNAN|SNAN|IND|INF)0*|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
+_NUM_C = r"-?nan|" + _NUM  # a C printf's NaN: `-nan`
 # A key (letters first, may hold spaces, / . - and brackets), a separator (= or :, or only spaces),
 # then a number not glued to more word characters. Separators between pairs (| , ; tabs, " - ") are
 # split on first, so a key never spans two fields; a key that is not in metric_keys is ignored whole
@@ -39,6 +42,10 @@ _WANDB_DROPPED = re.compile(r"User provided step: (\d+) is less than current ste
 _COUNTED_STEP = re.compile(r"\b(?:step|iter|iteration|batch)\s*[:=]?\s*\[?\s*(\d+)\s*/\s*\d+", re.I)
 # DeepSpeed "Attempted loss scale: 16, reducing to 8", "Reducing dynamic loss scale from 2 to 1", apex
 # "reducing loss scale to 0.5": the scale after the cut.
+# darknet's per-iteration line (src/detector.c): `%d: %f, %f avg loss, %f rate, %lf seconds, %d images` (AlexeyAB's
+# fork; pjreddie's prints `avg,`): the iteration, the batch's loss, its running average, the learning rate. A NaN
+# prints as `-nan` or `nan`.
+_DARKNET = re.compile(r"^\s*(\d+): (" + _NUM_C + r"), (" + _NUM_C + r") avg(?: loss)?, (" + _NUM_C + r") rate,", re.I)
 _SCALE_CUT = re.compile(r"(?:reducing to|reducing loss scale to|dynamic loss scale from \S+ to)\s+(" + _NUM + r")", re.I)
 _NONFINITE = re.compile(r"(?<![\w'\"])(-?(?:nan|inf(?:inity)?))(?![\w'\"])", re.I)
 # A printout of settings, not a measurement: DeepSpeed's and Megatron's `key ........ value` listings and
@@ -180,7 +187,8 @@ def key_kind(key: str) -> str | None:
         return "kl"
     if any(t in _REWARD_WORDS for t in toks):
         return "reward"
-    if any(t == "losses" or t.endswith("loss") or t in _LOSS_NAMES for t in toks):
+    if any(t == "losses" or t.endswith("loss") or t in _LOSS_NAMES for t in toks) or (
+            "crossentropy" in toks or "cross" in toks and "entropy" in toks):  # MXNet's Train-cross-entropy
         if "scale" in toks or "scaler" in toks:
             return "loss_scale"
         return "eval_loss" if any(t in ("eval", "val", "valid", "validation", "test", "dev") for t in toks) else "loss"
@@ -293,6 +301,9 @@ _SEPARATORS = re.compile(r"[_/\-.\[\]'\"()]+")
 _SPACES = re.compile(r"\s+")
 
 
+_MSVC = re.compile(r"([-+]?)1\.#(qnan|snan|ind|inf)0*")
+
+
 def to_number(value: Any) -> float | None:
     """A logged value as float: 'nan', '-inf', '7.1E-01', '1,024', 1e-5, or None when it is not a number."""
     if value.__class__ is str:
@@ -307,6 +318,8 @@ def to_number(value: Any) -> float | None:
     s = str(value).strip().strip("'\"[]").replace(",", "").lower()
     if s in ("nan", "+nan", "-nan"):
         return math.nan
+    if "#" in s and (msvc := _MSVC.fullmatch(s)):  # MSVC's 1.#QNAN, -1.#IND (NaN), 1.#INF, -1.#INF
+        return math.nan if msvc.group(2) != "inf" else -math.inf if msvc.group(1) == "-" else math.inf
     if s in ("inf", "+inf", "infinity", "+infinity"):
         return math.inf
     if s in ("-inf", "-infinity"):
@@ -445,7 +458,7 @@ def pair_key(key: str) -> str:
 
 _NUMBER_CELL = re.compile(r"(?:^|[|│\t])\s*[-+]?\.?\d")
 # The pair reader runs only on lines that name a metric the table or key_kind can know.
-_METRIC_WORD = re.compile(r"loss|norm|scal|lr\b|learning|kl|perplexity|ppl|step|iter|cost|nll|bce|xent|ctc|bpd", re.I)
+_METRIC_WORD = re.compile(r"loss|norm|scal|lr\b|learning|kl|perplexity|ppl|step|iter|cost|nll|bce|xent|ctc|bpd|entropy", re.I)
 
 
 # A CSV file's header (Keras' CSVLogger `epoch,loss,val_loss`, Lightning's metrics.csv, a trainer's log history
@@ -456,6 +469,11 @@ _CSV_HEADER = re.compile(r"[A-Za-z_]?[\w/.\-]*(?:,[\w/.\-]*)+")
 # srun --label's task number before a CSV row (`0: 3,0.52,0.61`): the prefix cleaner leaves a number before a
 # number (`12: 0.5` may be a key and its value), but under a CSV header a row is one cell list, no spaces.
 _TASK_LABEL = re.compile(r"^\s*\d{1,4}:[ \t]+(?=\S+$)")
+
+
+# A space-aligned table's header (fastai's `epoch     train_loss  valid_loss  accuracy  time`): 3 to 12 names, two of
+# them metrics the table knows; its rows are numbers, as many as the names, the first one a number.
+_SPACED_HEADER = re.compile(r"(?:[A-Za-z_][\w/.\-]*[ \t]+){2,11}[A-Za-z_][\w/.\-]*")
 
 
 class MetricTable:
@@ -469,6 +487,7 @@ class MetricTable:
         self.columns: list[str | None] | None = None
         self.csv = False  # the header read was a CSV one: its rows have commas and no other separator
         self.epoch: float | None = None  # the epoch the last `Epoch 3/10` line announced
+        self.spaced = False  # the header read was a space-aligned one (fastai's): its rows are split on whitespace
         self.vertical: Metric | None = None  # the open key | value table's record, given out when the table ends
         self._rows, self._quoted_bad = 0, False
 
@@ -509,9 +528,19 @@ class MetricTable:
     def feed(self, m: Metric, line: str) -> bool:
         if self.csv and self.columns is not None:
             line = _TASK_LABEL.sub("", line)
+        if self.spaced:
+            cells = line.split()
+            if self.columns is not None and len(cells) == len(self.columns) and to_number(cells[0]) is not None:
+                return self._row(m, cells)
+            self.columns, self.spaced = None, False  # the space-aligned table ended
         sep = self._sep(line)
         if sep is None:
             self.columns = None
+            if _SPACED_HEADER.fullmatch(line.strip()):
+                cells = line.split()
+                known = [c if (self.keys.field_of(c) or self.keys.kind_of(c)) else None for c in cells]
+                if sum(k is not None for k in known) >= 2:
+                    self.columns, self.spaced = known, True  # fastai's `epoch  train_loss  valid_loss  accuracy  time`
             return False
         cells = [c.strip() for c in line.strip().strip("|").split(sep)]
         if sep == "|" and self.columns is None and len(cells) == 2 and self._vertical_row(m, cells):
@@ -523,6 +552,9 @@ class MetricTable:
             return False
         if self.columns is None or len(cells) != len(self.columns):
             return False
+        return self._row(m, cells)
+
+    def _row(self, m: Metric, cells: list[str]) -> bool:
         found = False
         for key, cell in zip(self.columns, cells):
             if key and to_number(cell) is not None:
@@ -544,6 +576,10 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
     cut = _SCALE_CUT.search(line) if ("educ" in line or "EDUC" in line) else None
     if cut and m.loss_scale is None:
         m.loss_scale, m.scale_cut, m.source = to_number(cut.group(1)), True, m.source or "scale-cut"
+    # (the raw line too: the prefix cleaner reads `31: nan, ...` as a task number before the line, and drops it)
+    if not m.source and " rate," in line and (dn := _DARKNET.match(line) or _DARKNET.match(m.text)):
+        m.step, m.loss, m.lr, m.source = float(dn.group(1)), to_number(dn.group(3)), to_number(dn.group(4)), "darknet"
+        return m
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
         m.source = "pairs"
     if m.step is None and (m.loss is not None or m.grad_norm is not None or m.eval_loss is not None or m.named):
@@ -645,7 +681,7 @@ def code_lines(clean: list[str], text: str | None = None) -> set[int]:
 # Outside a table, a line carries a metric only if it names one, holds a dict or cuts the loss scale
 # (the words of _METRIC_WORD, as plain substrings).
 _CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "{", "educ",
-                "keyboardinterrupt", "cost", "nll", "bce", "xent", "ctc", "bpd")
+                "keyboardinterrupt", "cost", "nll", "bce", "xent", "ctc", "bpd", "entropy", " rate,")
 # Python's exception line for Ctrl-C (or a notebook's stop button), as the traceback ends it, and Lightning's
 # warning when it catches one.
 _INTERRUPTED = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b|Detected KeyboardInterrupt, attempting graceful shutdown")
@@ -657,6 +693,8 @@ _CARRY = re.compile("|".join(re.escape(w) for w in _CARRY_WORDS))
 def may_carry(clean: str, table: "MetricTable") -> bool:
     """False for a line no reader can take a metric from (most lines of a big log), or one that prints a
     setting (is_setting); a line with no separator ends a table."""
+    if table.spaced and table.columns is not None:
+        return True  # a row of a space-aligned table, or the line that ends it (MetricTable.feed decides)
     if "|" not in clean and "\t" not in clean and "│" not in clean and not (table.csv and "," in clean):
         table.columns = None
     elif table.columns is not None:
