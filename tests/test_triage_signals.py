@@ -214,6 +214,28 @@ def test_failure_lines_without_a_known_cause_still_fail_the_run():
     assert not find("transformers.modeling_utils: loading weights file model.safetensors\n").failed
 
 
+def test_exit_statuses_as_the_tools_around_a_job_print_them():
+    records = "".join(f"Epoch 1 Step {i * 10} loss {2.5 - 0.01 * i:.4f}\n" for i in range(5))
+    for last in ("State: FAILED (exit code 1)",  # Slurm's seff
+                 "Command exited with non-zero status 1",  # GNU time
+                 "    Exit Code:    1",  # kubectl describe pod
+                 "Error: exit status 1",  # Go's os/exec
+                 "./run.sh: line 3: 12345 Terminated              python train.py",  # bash's job report
+                 "Hangup",
+                 "*** Error in `python': double free or corruption (!prev): 0x0000000001b8e010 ***"):  # glibc
+        assert find(records + last + "\n").failed, last
+    assert "slurm-time-limit" in [h.id for h in find(records + "State: TIMEOUT (exit code 0)\n").hits]
+    assert not find(records + "State: COMPLETED (exit code 0)\n").failed
+
+
+def test_a_pattern_with_a_case_insensitive_group_is_not_filtered_by_its_literals():
+    import re
+
+    from finetune_mcp.triage.signals import required_literals
+    assert required_literals(re.compile(r"(?i:\bexit code:\s+[1-9])")) is None
+    assert required_literals(re.compile(r"abc(?i:xyz)def")) == [["abc"], ["def"]]
+
+
 def test_a_loggers_error_level_line_the_log_ends_on_is_a_failure():
     # The level is a prefix the cleaned text drops, so these are matched on the raw line (failure_levels).
     records = "".join(f"Epoch 1 Step {i * 10} loss {2.5 - 0.01 * i:.4f}\n" for i in range(30))

@@ -164,6 +164,8 @@ def required_literals(pattern: re.Pattern) -> list[list[str]] | None:
                 continue
             flush()
             if op is SUBPATTERN:
+                if av[1] & re.I:  # `(?i:...)`: its literals may match in any case, so they are no filter
+                    continue
                 groups.extend(seq(av[-1]))
             elif op is BRANCH:
                 alts = [seq(b) for b in av[1]]
