@@ -187,6 +187,20 @@ def test_word_signals_of_every_backend(line, signal):
     assert signal in [h.id for h in find(line + "\n").hits]
 
 
+def _wordings():
+    import yaml
+
+    for i, w in enumerate(yaml.safe_load((LOGS.parent / "triage-wordings.yaml").read_text())):
+        yield pytest.param(w, id=f"{i:03d}-{w['class']}")
+
+
+@pytest.mark.parametrize("w", list(_wordings()))
+def test_stock_wordings_from_the_libraries_sources(w):
+    # Each message alone, as the last line of a log: it reads its class (or, where the table says why, the class
+    # this project's definitions give it).
+    assert classify_text(w["text"] + "\n").failure_class == w.get("reads", w["class"]), (w["source"], w.get("why"))
+
+
 def test_exit_status_and_failure_evidence():
     assert exit_fields({"returncode": -9}) == (-9, 9, None)
     assert exit_fields({"signal": "SIGKILL", "stopped_by": "stop_run"}) == (None, 9, "stop_run")
