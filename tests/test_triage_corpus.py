@@ -109,10 +109,11 @@ def test_every_signal_is_seen_in_the_corpus_or_says_why_not():
     # no public log (index header), exit-sigkill is exit-status-only, cuda-toolkit-missing and loss-rise
     # appear only in held-out logs (asserted there by bench only), and no public log of a loss scale
     # halving step after step without "overflow" wording was found for loss-scale-halving (issue 32), nor a
-    # log with Lightning's "No training batches" for empty-training-data (only code and READMEs quote it) -
-    # all six are unit-tested (test_triage_signals, test_triage_classify).
+    # log with Lightning's "No training batches" for empty-training-data (only code and READMEs quote it), nor a
+    # training log holding the driver's Xid lines for gpu-hardware-fault (they are kernel logs: dmesg, journald) -
+    # all seven are unit-tested (test_triage_signals, test_triage_classify).
     unexercised_ok = {"slurm-node-failure", "exit-sigkill", "cuda-toolkit-missing", "loss-rise", "loss-scale-halving",
-                      "empty-training-data"}
+                      "empty-training-data", "gpu-hardware-fault"}
     seen: set[str] = set()
     for c in DEV:
         seen.update(_classify(c).signals)

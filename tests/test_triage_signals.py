@@ -180,6 +180,11 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("Unexpected result 11.73 on rank 5 at iteration #40211 invokation #1 (message='Spiky loss')", "nonfinite-printout"),
     ("Checking c : Tensor had Inf values", "nonfinite-printout"),  # tf.debugging.check_numerics
     ("`Trainer.fit` stopped: No training batches.", "empty-training-data"),
+    ("There seems to be not a single sample in your epoch_iterator, stopping training at step 0!", "empty-training-data"),
+    ("NVRM: Xid (PCI:0000:06:00): 79, GPU has fallen off the bus.", "gpu-hardware-fault"),  # NVIDIA's Xid catalogue
+    ("KL divergence for Module default_policy is non-finite, this will likely destabilize your model",
+     "nonfinite-printout"),  # RLlib
+    ("The local object store is full of objects that are still in scope and cannot be evicted.", "backend-oom"),  # Ray
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,

@@ -108,7 +108,7 @@ _PREFIX = re.compile(r"\s*(?:" + "|".join([
         _DATE_TIME + r":?" + _LEVEL_AFTER_TIME,
         r"\d{2}/\d{2}/\d{4} \d{2}:\d{2}:\d{2}" + _LEVEL_AFTER_TIME,
         r"\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?:(?=\s|$)",
-        r"\d{1,4}:(?=[ \t]+[^\d\s]|[ \t]{2}|[ \t]*$)",  # a task number before a line, not `12: 0.5`
+        r"\d{1,4}:(?=[ \t]+[^\d\s]|[ \t]+\d{4}-\d\d-\d\d[ T]|[ \t]{2}|[ \t]*$)",  # a task number before a line (a timestamped one too), not `12: 0.5`
     ]) + ")",
     r"\((?:(?:[\w.\-]+ )?pid=\d+(?:, ip=[\w.:\-]+)?|(?:raylet|gcs_server|dashboard|autoscaler|monitor)(?:, ip=[\w.:\-]+)?)\)",
     r"(?=[A-Z])(?:" + "|".join([
