@@ -536,7 +536,7 @@ class MetricTable:
         sep = self._sep(line)
         if sep is None:
             self.columns = None
-            if _SPACED_HEADER.fullmatch(line.strip()):
+            if ":" not in line and "=" not in line and _SPACED_HEADER.fullmatch(line.strip()):
                 cells = line.split()
                 known = [c if (self.keys.field_of(c) or self.keys.kind_of(c)) else None for c in cells]
                 if sum(k is not None for k in known) >= 2:
