@@ -377,6 +377,20 @@ def test_a_big_log_streamed_reads_as_the_whole_text_does(tmp_path, monkeypatch, 
     assert streamed.summary["records"] == len(whole.metrics)
 
 
+def test_a_big_logs_logger_error_lines_are_read_in_its_last_whole_bytes(tmp_path, monkeypatch):
+    import finetune_mcp.triage.signals as S
+
+    records = "".join(f"Epoch 1 Step {i * 10} loss {2.5 - 0.0001 * i:.4f}\n" for i in range(400))
+    path = tmp_path / "big.log"
+    monkeypatch.setattr(S, "WHOLE_BYTES", 2000)
+    monkeypatch.setattr(S, "CHUNK_BYTES", 500)
+    path.write_text(records + "2024-01-01 10:00:00 ERROR trainer: shard 3 unreadable\n")
+    assert S.find_file(path).failed  # the log ends on it
+    # Scanning every chunk of a 100 MB log for level words costs 4 %; one 8 MB before the end was logged past.
+    path.write_text("2024-01-01 10:00:00 ERROR loader: retrying shard 3\n" + records)
+    assert not S.find_file(path).failed and not S.find_file(path).markers
+
+
 def test_a_best_so_far_sentinel_is_no_nan_loss_but_a_nan_beside_it_is():
     # icefall prints best_train_loss: inf before any loss exists (dev case none-healthy-icefall-params-best-loss-inf).
     assert "nonfinite-loss" not in [h.id for h in find("{'best_train_loss': inf, 'best_valid_loss': inf, 'log_interval': 50}\n").hits]

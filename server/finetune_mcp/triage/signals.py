@@ -1188,7 +1188,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     import os
 
     path = str(path)
-    if os.path.getsize(path) <= WHOLE_BYTES:
+    size = os.path.getsize(path)
+    if size <= WHOLE_BYTES:
         with open(path, "rb") as fh:
             return find(decode_log(fh.read()), exit_info=exit_info, table=table)
     comp = compiled(table)
@@ -1228,7 +1229,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             for m in comp.markers:
                 if log.may_match(m, comp):
                     marked |= set(log.scan(m))
-            marked |= log.level_lines(comp)
+            if fh.tell() >= size - WHOLE_BYTES:  # a logger's error line 8 MB before the end is one the run logged past
+                marked |= log.level_lines(comp)
             markers = _ends(markers + [(i + first_line, log.lines[i]) for i in sorted(marked)])
             exc = last_exception(log) or exc
             head = last_traceback(log) or head
