@@ -407,6 +407,10 @@ class FallbackRule(Strict):
         return _compiles([v])[0]
 
 
+# The log levels a failure_levels pattern names; triage looks for a level line only where one of them is.
+LEVEL_WORDS = ("ERROR", "FATAL", "CRITICAL")
+
+
 @table("dgx-spark-ops", "failure-signals")
 class FailureSignalsTable(Strict):
     signals: list[FailureSignal] = Field(min_length=1)
@@ -427,10 +431,10 @@ class FailureSignalsTable(Strict):
     @_field_validator("failure_levels")
     @classmethod
     def _level_word(cls, v):
-        # triage tries these only on lines holding a level word (signals._LEVEL_WORDS)
+        # triage tries these only on lines holding a level word
         for p in v:
-            if not any(w in p for w in ("ERROR", "FATAL", "CRITICAL")):
-                raise ValueError(f"failure_levels pattern {p!r} names no level: it must hold ERROR, FATAL or CRITICAL")
+            if not any(w in p for w in LEVEL_WORDS):
+                raise ValueError(f"failure_levels pattern {p!r} names no level: it must hold one of {', '.join(LEVEL_WORDS)}")
         return v
 
     @_model_validator(mode="after")

@@ -40,12 +40,12 @@ _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
 _WANDB_DROPPED = re.compile(r"User provided step: (\d+) is less than current step")
 # "Pre-training iteration 20/100", "Step [40/500]", "batch: 7/120": a count out of a total after a step word.
 _COUNTED_STEP = re.compile(r"\b(?:step|iter|iteration|batch)\s*[:=]?\s*\[?\s*(\d+)\s*/\s*\d+", re.I)
-# DeepSpeed "Attempted loss scale: 16, reducing to 8", "Reducing dynamic loss scale from 2 to 1", apex
-# "reducing loss scale to 0.5": the scale after the cut.
 # darknet's per-iteration line (src/detector.c): `%d: %f, %f avg loss, %f rate, %lf seconds, %d images` (AlexeyAB's
 # fork; pjreddie's prints `avg,`): the iteration, the batch's loss, its running average, the learning rate. A NaN
 # prints as `-nan` or `nan`.
 _DARKNET = re.compile(r"^\s*(\d+): (" + _NUM_C + r"), (" + _NUM_C + r") avg(?: loss)?, (" + _NUM_C + r") rate,", re.I)
+# DeepSpeed "Attempted loss scale: 16, reducing to 8", "Reducing dynamic loss scale from 2 to 1", apex
+# "reducing loss scale to 0.5": the scale after the cut.
 _SCALE_CUT = re.compile(r"(?:reducing to|reducing loss scale to|dynamic loss scale from \S+ to)\s+(" + _NUM + r")", re.I)
 _NONFINITE = re.compile(r"(?<![\w'\"])(-?(?:nan|inf(?:inity)?))(?![\w'\"])", re.I)
 # A printout of settings, not a measurement: DeepSpeed's and Megatron's `key ........ value` listings and
@@ -108,7 +108,8 @@ _PREFIX = re.compile(r"\s*(?:" + "|".join([
         _DATE_TIME + r":?" + _LEVEL_AFTER_TIME,
         r"\d{2}/\d{2}/\d{4} \d{2}:\d{2}:\d{2}" + _LEVEL_AFTER_TIME,
         r"\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?:(?=\s|$)",
-        r"\d{1,4}:(?=[ \t]+[^\d\s]|[ \t]+\d{4}-\d\d-\d\d[ T]|[ \t]{2}|[ \t]*$)",  # a task number before a line (a timestamped one too), not `12: 0.5`
+        # a task number before a line (a timestamped one too), not `12: 0.5` nor darknet's `31: -nan, -nan avg`
+        r"\d{1,4}:(?=[ \t]+(?!-?(?:nan|inf)\b)[^\d\s]|[ \t]+\d{4}-\d\d-\d\d[ T]|[ \t]{2}|[ \t]*$)",
     ]) + ")",
     r"\((?:(?:[\w.\-]+ )?pid=\d+(?:, ip=[\w.:\-]+)?|(?:raylet|gcs_server|dashboard|autoscaler|monitor)(?:, ip=[\w.:\-]+)?)\)",
     r"(?=[A-Z])(?:" + "|".join([
@@ -458,7 +459,8 @@ def pair_key(key: str) -> str:
 
 _NUMBER_CELL = re.compile(r"(?:^|[|│\t])\s*[-+]?\.?\d")
 # The pair reader runs only on lines that name a metric the table or key_kind can know.
-_METRIC_WORD = re.compile(r"loss|norm|scal|lr\b|learning|kl|perplexity|ppl|step|iter|cost|nll|bce|xent|ctc|bpd|entropy", re.I)
+_METRIC_WORD = re.compile("|".join(["loss", "norm", "scal", r"lr\b", "learning", "kl", "perplexity", "ppl", "step", "iter",
+                                     "entropy", *sorted(_LOSS_NAMES)]), re.I)
 
 
 # A CSV file's header (Keras' CSVLogger `epoch,loss,val_loss`, Lightning's metrics.csv, a trainer's log history
@@ -576,8 +578,7 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
     cut = _SCALE_CUT.search(line) if ("educ" in line or "EDUC" in line) else None
     if cut and m.loss_scale is None:
         m.loss_scale, m.scale_cut, m.source = to_number(cut.group(1)), True, m.source or "scale-cut"
-    # (the raw line too: the prefix cleaner reads `31: nan, ...` as a task number before the line, and drops it)
-    if not m.source and " rate," in line and (dn := _DARKNET.match(line) or _DARKNET.match(m.text)):
+    if not m.source and " rate," in line and (dn := _DARKNET.match(line)):
         m.step, m.loss, m.lr, m.source = float(dn.group(1)), to_number(dn.group(3)), to_number(dn.group(4)), "darknet"
         return m
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
@@ -606,18 +607,15 @@ def parse_text(text: str, keys: KeyMap, *, lines: list[str] | None = None, clean
     lines = split_lines(text) if lines is None else lines
     cleaned = clean_lines(lines) if cleaned is None else cleaned
     code = code_lines(cleaned) if code is None else code
-    table = MetricTable(keys)
-    found = list(line_metrics(lines, cleaned, code, keys, table))
-    if (rec := table.flush()) is not None:
-        found.append(rec)  # the log ended inside a key | value table
-    return dedupe(found)
+    return dedupe(list(line_metrics(lines, cleaned, code, keys, MetricTable(keys), end=True)))
 
 
 def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: KeyMap, table: MetricTable,
-                 first_line: int = 1) -> Iterator[Metric]:
+                 first_line: int = 1, end: bool = True) -> Iterator[Metric]:
     """The Metric of each line that carries one, in order, not yet deduplicated: `cleaned` are the lines as
     clean_lines gives them, `code` the indices IPython printed as source (skipped), `table` the table reader's
-    state (kept across the chunks of a streamed log), `first_line` the number of lines[0] in the whole log."""
+    state (kept across the chunks of a streamed log), `first_line` the number of lines[0] in the whole log,
+    `end` whether these are the log's last lines (a key | value table still open there is given out)."""
     for i, clean in enumerate(cleaned):
         if table.vertical is not None and "|" not in clean and (rec := table.flush()) is not None:
             yield rec  # a key | value table ends at its closing rule
@@ -631,6 +629,8 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
             if m.epoch is None:
                 m.epoch = table.epoch
             yield m
+    if end and (rec := table.flush()) is not None:
+        yield rec  # the log ended inside a key | value table
 
 
 # A line that only announces the epoch its next records belong to (Keras' model.fit, many plain loops).
@@ -680,8 +680,8 @@ def code_lines(clean: list[str], text: str | None = None) -> set[int]:
 
 # Outside a table, a line carries a metric only if it names one, holds a dict or cuts the loss scale
 # (the words of _METRIC_WORD, as plain substrings).
-_CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "{", "educ",
-                "keyboardinterrupt", "cost", "nll", "bce", "xent", "ctc", "bpd", "entropy", " rate,")
+_CARRY_WORDS = ("loss", "norm", "scal", "lr", "learning", "kl", "perplexity", "ppl", "step", "iter", "entropy", *sorted(_LOSS_NAMES),
+                "{", "educ", "keyboardinterrupt", " rate,")
 # Python's exception line for Ctrl-C (or a notebook's stop button), as the traceback ends it, and Lightning's
 # warning when it catches one.
 _INTERRUPTED = re.compile(r"^\W*(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b|Detected KeyboardInterrupt, attempting graceful shutdown")

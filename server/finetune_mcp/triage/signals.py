@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
+from finetune_mcp.skilltables import LEVEL_WORDS
 from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, clean_line, clean_lines, code_lines, decode_log, is_setting, pair_key,
                                       line_metrics, log_encoding, normalise_key, parse_records, parse_text, same_record,
                                       split_lines, to_number)
@@ -281,7 +282,7 @@ class Log:
         if not comp.levels:
             return set()
         raw = self.raw if self.raw is not None else "\n".join(self.lines)
-        starts = sorted({raw.rfind("\n", 0, pos) + 1 for word in _LEVEL_WORDS for pos in _positions(raw, word)})
+        starts = sorted({raw.rfind("\n", 0, pos) + 1 for word in LEVEL_WORDS for pos in _positions(raw, word)})
         out: set[int] = set()
         line = last = 0
         for start in starts:
@@ -431,9 +432,6 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
             out[s.id] = Hit(s, [(i + log.first_line, log.lines[i]) for i in sorted(matched)][:MAX_LINES_PER_HIT * 4],
                             last=max(matched) + log.first_line)
     return out
-
-
-_LEVEL_WORDS = ("ERROR", "FATAL", "CRITICAL")  # every failure_levels pattern holds one of these
 
 
 def _positions(text: str, word: str) -> Iterator[int]:
@@ -1238,7 +1236,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             bar_done = last_bar_done(log) or bar_done
             finished_at = last_finished(log, comp) or finished_at
             tail_metrics = []
-            for m in line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line):
+            for m in line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line, end=not block):
                 if prev is not None and same_record(prev, m):
                     continue
                 rules.feed(m)
@@ -1249,10 +1247,6 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             first_line += len(log.lines)
             if not block:
                 break
-    if (rec := metric_table.flush()) is not None and not (prev is not None and same_record(prev, rec)):
-        rules.feed(rec)  # the log ended inside a key | value table
-        tail_metrics.append(rec)
-        record_lines.append(rec.line)
     for k, h in exit_hits(comp, code, sig_no, stopped_by).items():
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
