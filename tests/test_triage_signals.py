@@ -856,3 +856,112 @@ def test_a_run_that_came_apart_before_its_end_of_training_summary_is_not_forgott
     assert "flat-loss" in _ids(stuck + [summary])  # and a flat stretch it ended on
     kl = [Metric(i, "x", epoch=i / 10, named={"kl:approx kl": v}) for i, v in enumerate([0.01, 0.02, 3.5], 1)]
     assert "kl-blowup" in _ids(kl + [summary])  # a blow-up already seen keeps the KL it rose from
+
+
+# --- what the retired blind batches 4-9 showed (2026-12-07) ------------------------------------------
+
+
+def _tb(*frames_and_exception: str) -> str:
+    steps = "".join(f"Epoch 1 Step {i} loss {2.5 - 0.01 * i:.4f}\n" for i in range(1, 12))
+    return steps + "Traceback (most recent call last):\n" + "\n".join(frames_and_exception) + "\n"
+
+
+def test_the_fallback_reads_a_zero_division_by_where_it_happened_and_a_code_error_by_its_type():
+    scaler = _tb('  File "train.py", line 90, in <module>', "    optimizer.step()",
+                 '  File "/usr/lib/python3/site-packages/apex/fp16_utils/fp16_optimizer.py", line 38, in _check_overflow',
+                 "    1. / scale)", "ZeroDivisionError: float division by zero")
+    r = classify_text(scaler)
+    assert (r.failure_class, r.signals[0]) == ("divergence", "fallback-scaler-zero-division")
+    user = _tb('  File "kd.py", line 77, in compute_weights', "    w = 1 / (k - 1)", "ZeroDivisionError: float division by zero")
+    assert (classify_text(user).failure_class, classify_text(user).signals[0]) == ("environment", "fallback-setup")
+    numpy2 = _tb('  File "train.py", line 9, in <module>', "    train(1, 10, np.Inf)",
+                 "AttributeError: `np.Inf` was removed in the NumPy 2.0 release. Use `np.inf` instead.")
+    assert classify_text(numpy2).signals[0] == "fallback-code-error" and classify_text(numpy2).failure_class == "environment"
+    exp = _tb('  File "trainer.py", line 270, in train_epoch', "    math.exp(report_loss / report_tgt_words),",
+              "OverflowError: math range error")
+    assert classify_text(exp).failure_class == "divergence"
+    assert classify_text(_tb("OverflowError: Python int too large to convert to C long")).failure_class == "environment"
+
+
+@pytest.mark.parametrize("tail, cls", [
+    ("./run.sh: line 9: 74849 Killed: 9               python3 caltech101nin.py", "oom"),  # a macOS shell's report
+    ("zsh: killed     python train.py", "oom"),
+    ("RuntimeError: Couldn't open shared file mapping: <torch_21444_2977766649_500>, error code: <1455>", "oom"),
+    ("There are not enough slots available in the system to satisfy the 16", "environment"),
+    ("nohup: failed to run command 'CUDA_VISIBLE_DEVICES=2,5,6,7': No such file or directory", "environment"),
+    ("nohup: 无法运行命令'CUDA_VISIBLE_DEVICES=2,5,6,7': 没有那个文件或目录", "environment"),
+    ("queue.pl: Error, unfinished job no longer exists, log is in sge.log", "environment"),
+    ("^C", "none"),
+])
+def test_how_shells_schedulers_and_launchers_report_a_job_they_ended(tail, cls):
+    steps = "".join(f"step {i} loss {2.5 - 0.01 * i:.4f}\n" for i in range(1, 6))
+    r = classify_text(steps + tail + "\n")
+    assert r.failure_class == cls
+    if cls == "none":  # a terminal echoes Ctrl-C as ^C: stopped on purpose, not a healthy end
+        assert r.healthy_or_unrecognised == "stopped"
+
+
+def test_an_option_named_after_oom_in_a_usage_dump_is_no_out_of_memory():
+    usage = ("usage: pretrain_gpt.py [-h] [--num-layers NUM_LAYERS]\n"
+             "                       [--max-tokens-to-oom MAX_TOKENS_TO_OOM]\n"
+             "pretrain_gpt.py: error: argument --tokenizer-type: invalid choice: 'Llama2Tokenizer'\n")
+    r = classify_text(usage)
+    assert r.failure_class == "environment" and "out-of-memory-words" not in r.signals
+    assert classify_text("step 3 loss 2.1\nRuntimeError: OOM when allocating tensor\n").failure_class == "oom"
+
+
+def test_numbers_printed_without_names_are_read_for_nan():
+    gan = "".join(f"{i} [{v}, 0.5] {g}\n" for i, (v, g) in enumerate([(0.69, 0.71), (0.52, 1.3), (7.7e27, "inf")] + [("nan", "nan")] * 5))
+    r = classify_text(gan + "KeyboardInterrupt\n")
+    assert r.failure_class == "divergence" and "nonfinite-row" in r.signals  # an interrupt after NaN stops no divergence
+    assert classify_text("1\n<Figure size 640x480 with 1 Axes>\nLearned weights are [nan nan]\n").failure_class == "divergence"
+    healthy = "".join(f"{i} [{0.7 - i / 100:.3f}, 0.5] {0.7 + i / 100:.3f}\n" for i in range(8))
+    assert classify_text(healthy).failure_class == "none"
+    # pandas prints a missing value as NaN in a table row: no training number.
+    assert "nonfinite-row" not in classify_text("   epoch  loss  val_loss\n0      1  0.52       NaN\n1      2  0.41      0.44\n").signals
+
+
+def test_a_best_so_far_trackers_first_improvement_from_inf_is_no_nan_loss():
+    steps = "".join(f"loss decreases: {a} -> {b}\n" for a, b in [("inf", 9.78), (9.63, 9.47), (9.47, 9.1), (9.1, 8.8)])
+    assert classify_text(steps).failure_class == "none"
+    assert classify_text("step 1 loss 9.78\nstep 2 loss inf\nstep 3 loss inf\n").failure_class == "divergence"
+
+
+def test_a_zero_loss_beside_a_full_accuracy_or_a_signed_loss_at_its_floor_is_converged():
+    n = RULES.zero_loss_run + 2
+    fitted = "".join(f"LR: {0.000110 - i / 1e6:.6f}, Acc: {a}, Loss: {l}\n"
+                     for i, (a, l) in enumerate([("62.5000", "0.9000"), ("93.7500", "0.2000")] + [("100.0000", "0.0000")] * n))
+    assert "flat-loss" not in classify_text(fitted).signals
+    empty = fitted.replace("Acc: 100.0000", "Acc: 0.0000")
+    assert "flat-loss" in classify_text(empty).signals  # a zero loss at zero accuracy: nothing is trained
+    nll = _losses([1.6582, 0.4, -0.9, -1.5, -1.8808, -1.8790] + [-1.8778] * (RULES.flat_identical_run + 1))
+    assert "flat-loss" not in _ids(nll)  # converged: flat within flat_converged_near of its lowest, far below its start
+    chance = _losses([10.69, 2.0, 0.6773, 0.70] + [0.6931] * (RULES.flat_identical_run + 1))
+    assert "flat-loss" in _ids(chance)  # back at ln 2 above where it had been: stuck at chance
+
+
+def test_a_plateaus_print_noise_recurring_is_no_replay_and_no_stuck_weights():
+    rng = [0.1064, 0.1063, 0.1062, 0.1063, 0.1063, 0.1060, 0.1061, 0.1064, 0.1062, 0.1065]
+    plateau = _losses([-0.0758, -0.0899] + rng * 20)
+    assert "flat-loss" not in _ids(plateau)
+    # Without an epoch, the same rounded loss at the same batch index of a later epoch is no relaunch: the step
+    # did not go back, so the curve is not read from a new start there.
+    batches = [Metric(i + 1, "x", step=50 * (i % 8 + 1), loss=v) for i, v in enumerate([1.66, 0.5, -0.9, -1.87, -1.8781, -1.8782, -1.8781, -1.8782]
+                                                                                        + [-1.8781, -1.8782, -1.8781, -1.8781, -1.8782, -1.8781, -1.8782, -1.8782])]
+    assert "flat-loss" not in _ids(batches)
+
+
+def test_one_term_rising_while_the_total_falls_is_a_trade_off():
+    total = [9.276, 6.961, 5.9, 5.1, 4.6, 4.3, 4.183, 4.0, 3.922]
+    term = [0.05, 0.024, 0.04, 0.07, 0.09, 0.11, 0.14, 0.13, 0.138]
+    both = [Metric(i, "x", step=i, loss=t, named={"loss:loss 1": d}) for i, (t, d) in enumerate(zip(total, term), 1)]
+    assert "loss-rise" not in _ids(both)
+    rising = [Metric(i, "x", step=i, loss=3.9 + i / 100, named={"loss:loss 1": d}) for i, d in enumerate(term, 1)]
+    assert "loss-rise" in _ids(rising)  # the total did not fall: the term's rise is the run's
+
+
+def test_a_loss_scale_that_grows_back_above_the_floor_was_a_transient():
+    floor = RULES.loss_scale_floor
+    back = [Metric(1, "a", loss_scale=128.0), Metric(2, "b", loss_scale=floor, scale_cut=True), Metric(3, "c", loss_scale=floor * 2)]
+    assert "loss-scale-collapse" not in _ids(back)
+    assert "loss-scale-collapse" in _ids(back + [Metric(4, "d", loss_scale=floor, scale_cut=True)])

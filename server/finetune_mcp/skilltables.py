@@ -314,6 +314,8 @@ class FailureSignal(Strict):
     exit_signals: list[int] = Field(default_factory=list, description="terminating signals that show this signal")
     records_rule: RecordsRule | None = None
     explained_by_stop: bool = Field(False, description="a stop we asked for explains it (a SIGKILL from stop_run)")
+    records_decide: bool = Field(False, description="a line the metric readers took as a record is left to the records "
+                                                    "rules, which know its columns' names")
     stop_request: bool = Field(False, description="present whenever stop_run asked the run to end")
     check: SignalCheck | None = None
     none_kind: Literal["healthy", "stopped"] | None = None
@@ -381,6 +383,10 @@ class RecordRules(Strict):
     zero_loss_run: int = Field(ge=2, description="this many logged losses of exactly 0 in a row: nothing is trained")
     flat_converged_factor: float = Field(0.0, ge=0, description="a loss flat at the lowest value of its run, this x below "
                                          "its highest, is a converged run, not a stuck one (0: never)")
+    flat_converged_near: float = Field(0.0, ge=0, lt=1, description="'at the lowest value' within this share of the value "
+                                       "above it (a plateau's print noise around its floor)")
+    flat_window_spread: int = Field(0, ge=0, description="a recurring window counts only if its values are identical or "
+                                    "span at least this many units of their last printed digit (not a plateau's rounding noise)")
     grad_norm_max: float = Field(gt=0)
     loss_scale_floor: float = Field(gt=0, description="a dynamic loss scale cut to this or below has collapsed")
     scale_halving_run: int = Field(3, ge=2, description="this many halvings of the loss scale in a row, once settled, is fp16 overflow")
@@ -398,13 +404,15 @@ class FallbackRule(Strict):
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
     failure_class: Literal["environment", "divergence", "oom"] = Field(alias="class")
     match: str = Field(description="regex on the exception line (the last 'Name: message' line)")
+    frames: str | None = Field(None, description="regex that must also match the log's last lines (the innermost frames "
+                                                 "and their code) for the rule to apply")
     why: str
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    @_field_validator("match")
+    @_field_validator("match", "frames")
     @classmethod
     def _valid(cls, v):
-        return _compiles([v])[0]
+        return v if v is None else _compiles([v])[0]
 
 
 # The log levels a failure_levels pattern names; triage looks for a level line only where one of them is.

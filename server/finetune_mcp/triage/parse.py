@@ -172,7 +172,8 @@ def clean_lines(lines: list[str]) -> list[str]:
 
 
 def key_kind(key: str) -> str | None:
-    """What a key outside metric_keys carries, by its name: 'loss', 'eval_loss', 'grad_norm', 'loss_scale', 'kl', 'ppl' or None.
+    """What a key outside metric_keys carries, by its name: 'loss', 'eval_loss', 'grad_norm', 'loss_scale', 'kl', 'ppl',
+    'reward', 'acc' or None (a reward or an accuracy only marks its record: see _assign).
 
     `mtp 1 loss`, `value loss`, `actor pg loss`, `loss a` are losses; `model grad norm`, `grad norm actor`
     grad norms; `grad scale`, `loss scaler`, `scaler`, `scale_g` loss scales; `kl`, `approx kl` a KL (checked for
@@ -195,6 +196,8 @@ def key_kind(key: str) -> str | None:
         return "eval_loss" if any(t in ("eval", "val", "valid", "validation", "test", "dev") for t in toks) else "loss"
     if "ppl" in toks or "perplexity" in toks:
         return "ppl"
+    if "acc" in toks or "accuracy" in toks:
+        return "acc"
     if any(t.startswith("grad") for t in toks) and any(t.endswith("norm") for t in toks) or "gnorm" in toks:
         return "grad_norm"
     # scale_g / scale_d: a GAN's two AMP scalers, one per network
@@ -238,6 +241,7 @@ class Metric:
     loss_key: str = ""  # the key the loss was logged under (normalised): 'loss' and 'avg loss' are two series
     seen_as: int | None = None  # hash of the line as the readers saw it (clean_line): a redraw repeats it under a new timestamp
     rl: bool = False  # the record also logs a reward or return: a reinforcement-learning trainer's (see key_kind)
+    acc_full: bool = False  # the record also logs an accuracy at its ceiling (100 or 1.0): the model fits what it is scored on
 
     def has(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -388,6 +392,9 @@ def _assign(m: Metric, keys: KeyMap, key: str, value: Any) -> bool:
         if name.startswith("reward:"):
             m.rl = True
             return False
+        if name.startswith("acc:"):  # not a metric of its own: it only tells a fitted zero loss from a broken one
+            m.acc_full = m.acc_full or to_number(value) in (1.0, 100.0)
+            return False
         num = to_number(value)
         if num is None or (num == math.inf and name.partition(":")[2].startswith(("best ", "lowest "))):
             return False  # a best-so-far tracker starts at +inf before any loss was computed
@@ -426,6 +433,11 @@ def _from_dicts(m: Metric, keys: KeyMap, line: str) -> bool:
     return found
 
 
+# A change report whose old value is +inf is a best-so-far tracker's first improvement (`loss decreases: inf -> 9.78`,
+# Keras' `val_loss improved from inf to 0.52`): the inf is its start value, not a loss.
+_FROM_INF = re.compile(r"\binf(?:inity)?\s*(?:->|→|=>|to\b)\s*[-+]?\.?\d", re.I)
+
+
 def _from_pairs(m: Metric, keys: KeyMap, line: str) -> bool:
     found = False
     best = None
@@ -434,7 +446,7 @@ def _from_pairs(m: Metric, keys: KeyMap, line: str) -> bool:
             val = pm.group("val")
             if val[-1] in "fFyY" and val[0] != "-":  # +inf: on a best-so-far report, the tracker's start value
                 if best is None:
-                    best = "best" in line.lower()
+                    best = "best" in line.lower() or _FROM_INF.search(line) is not None
                 if best:
                     continue  # `Best model found at epoch 0, Val Loss: inf` (no epoch ran): no loss was computed
             found |= _assign(m, keys, pair_key(pm.group("key")), val)

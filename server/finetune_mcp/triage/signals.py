@@ -204,7 +204,7 @@ class Compiled:
         self.levels = [re.compile(p, re.M) for p in table.failure_levels]
         self.literals = {p.pattern + str(p.flags): required_literals(p) for _, ps in self.line_signals for p in ps}
         self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers + self.finished})
-        self.fallback = [(r, re.compile(r.match)) for r in table.fallback]
+        self.fallback = [(r, re.compile(r.match), re.compile(r.frames) if r.frames else None) for r in table.fallback]
         self.cut_traceback = [(r, re.compile(r.match)) for r in table.cut_traceback]
         self.nonfinite_ignore = frozenset(table.records.nonfinite_ignore)
         self.adversarial = frozenset(table.records.adversarial_words)
@@ -415,7 +415,9 @@ class Findings:
 # --- word signals ------------------------------------------------------------------------------
 
 
-def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
+def word_hits(log: Log, comp: Compiled, records: set[int] = frozenset()) -> dict[str, Hit]:
+    """The line signals' pattern hits; `records` (0-based line indexes) are the lines the metric readers took as
+    records, which a records_decide signal leaves to the records rules."""
     out: dict[str, Hit] = {}
     for s, pats in comp.line_signals:
         matched: set[int] = set()
@@ -425,6 +427,8 @@ def word_hits(log: Log, comp: Compiled) -> dict[str, Hit]:
         unless = comp.unless.get(s.id)
         if matched:
             matched -= log.code  # IPython's source around a frame quotes the words; the run did not print them
+        if matched and s.records_decide:
+            matched -= records  # a CSV row `12,0.88,nan` under a `step,loss,grad_norm` header: its NaN has a name
         if matched and unless:
             # What the `unless` patterns match is cut from the line; the signal counts if it still matches the rest.
             matched = {i for i in matched if _still(log.clean[i], pats, unless)}
@@ -556,6 +560,17 @@ def _significant_digits(v: float) -> int:
 def _losses(window) -> list[float]:
     """The losses of a recurring-losses window, whose entries are a loss or (loss, perplexities)."""
     return [x[0] if x.__class__ is tuple else x for x in window]
+
+
+def _distinct_window(values, spread: int) -> bool:
+    """A window of losses identical to each other, or spanning at least `spread` units of their last printed digit:
+    a replay of the same steps. Values a few units apart in the last digit are a plateau's print noise
+    (`0.1064 0.1063 0.1062 0.1063 0.1063`), which recurs by chance over a long flat run."""
+    lo, hi = min(values), max(values)
+    if lo == hi or spread <= 0:
+        return True
+    decimals = max(len(repr(float(x)).partition(".")[2]) if "e" not in repr(float(x)) else 0 for x in values)
+    return hi - lo >= spread * 10.0 ** -decimals
 
 
 def _weights_move(records, ppl: bool = True) -> bool:
@@ -744,6 +759,7 @@ class NumberRules:
         self.scale_max: float | None = None
         self.floor: list[Metric] = []
         self.floor_min: float | None = None
+        self.floor_left = False  # a scale above the floor was logged after the last cut to it
         self.settled = 0  # logged scales since the last cut that did not fall (the scaler had settled)
         self.halving: list[Metric] = []
         self.halving_best: list[Metric] = []
@@ -758,6 +774,7 @@ class NumberRules:
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
         self.run_low: float | None = None
         self.points: set[tuple] = set()  # (epoch, step, loss) of this run's records, to see a replay
+        self.step_last: float | None = None  # the step of the last record with a step and a finite loss
         self.epoch_max: float | None = None
         # the summary classify reports
         self.records = 0
@@ -817,9 +834,12 @@ class NumberRules:
             # The same loss at the same step of the same epoch, printed again: the run replayed from its start (a
             # notebook cell run twice, a relaunch with the same seed appended to the log). Its curve starts over.
             # (Each epoch repeating the last one's per-step losses is stuck weights: flat-loss's, not this.)
+            # A replay starts over: its step goes back. On a plateau the same rounded loss recurs at the same batch
+            # index of a later epoch (`batch 6300/6400 loss=-1.8781`, the step still climbing within the epoch).
             point = (m.epoch, m.step, m.loss)
-            if point in self.points and _significant_digits(m.loss) >= 3:
+            if point in self.points and _significant_digits(m.loss) >= 3 and (self.step_last is None or m.step <= self.step_last):
                 self._restart()
+            self.step_last = m.step
             if len(self.points) < MAX_WINDOWS:
                 self.points.add(point)
         losses: list[tuple[str, float]] = []
@@ -910,6 +930,9 @@ class NumberRules:
             if len(self.floor) < MAX_LINES_PER_HIT:
                 self.floor.append(m)
             self.floor_min = v if self.floor_min is None else min(self.floor_min, v)
+            self.floor_left = False
+        elif self.floor and v > r.loss_scale_floor:
+            self.floor_left = True  # grown back above the floor after its last cut there: a transient
         if prev is not None and v <= prev / 2 * 1.0001:
             if not self.halving:
                 self.halving_from = prev if self.settled >= r.scale_settled_logs else None
@@ -929,10 +952,15 @@ class NumberRules:
         self.loss_scale_last = v
 
     def _converged(self, values) -> bool:
-        """Flat at the lowest loss of the run, flat_converged_factor x below its highest: converged, not stuck."""
+        """Flat at the lowest loss of the run (within flat_converged_near of its range), flat_converged_factor x below
+        its highest - for a signed objective (a negative log-likelihood), as far below it as that factor puts a positive
+        one: converged, not stuck. A loss flat at exactly 0 is never converged (zero_loss_run)."""
         f = self.r.flat_converged_factor
         top = max(values)
-        return f > 0 and self.run_low is not None and 0 < top <= self.run_low and self.run_high >= f * top
+        if f <= 0 or self.run_low is None or top == 0:
+            return False
+        near = top - self.run_low <= self.r.flat_converged_near * abs(top)
+        return near and self.run_high - top >= (f - 1) * abs(top)
 
     def _flat(self, m: Metric):
         r = self.r
@@ -956,7 +984,8 @@ class NumberRules:
             have = self.seen_windows.get(key)
             # (The same losses at the same steps are a replay, which feed() already restarted the run for.)
             if (have is not None and i >= have[0] + r.flat_repeat_window and not _weights_move(self.recent, ppl=False)
-                    and max(_significant_digits(x) for x in _losses(key)) >= 3 and not self._converged(_losses(key))):
+                    and max(_significant_digits(x) for x in _losses(key)) >= 3 and not self._converged(_losses(key))
+                    and _distinct_window(_losses(key), r.flat_window_spread)):
                 first = Metric(have[1], have[2])
                 self.flat = ([first] + list(self.recent), f"the same {r.flat_repeat_window} losses recur exactly (from line {first.line} "
                                                           f"and again from {self.recent[0].line}): the weights are not changing")
@@ -969,6 +998,8 @@ class NumberRules:
             v = self.run_vals[0].loss
             if len(self.run_vals) < (r.zero_loss_run if v == 0 else r.flat_identical_run):
                 return  # too short to be flat (most runs are one value long): nothing more to check
+            if v == 0 and all(x.acc_full for x in self.run_vals):
+                return  # 'Acc: 100.0000, Loss: 0.0000': a model that fits its (few-shot) set, the loss rounded to 0
             if _weights_move(self.run_vals) or (v != 0 and _significant_digits(v) < 3) or self._converged([v]):
                 # A loss printed rounded ('loss': 4.3, 'Train Loss: 0.0019') repeats while the weights move; a grad
                 # norm that moves beside it says so outright (a GRPO loss logs 0.0 while the policy learns).
@@ -1026,6 +1057,8 @@ class NumberRules:
                 f"{what} {_value(m, name):g} at line {m.line} is {_value(m, name) / med:.1f}x the running median {med:g}")
         for name, se in every:
             rise = se.rise()
+            if rise and name != "loss" and _finite(rise[0].loss) and _finite(rise[2].loss) and rise[2].loss < rise[0].loss:
+                continue  # one term rose while the total it is part of kept falling: the trade-off, not a divergence
             if rise:
                 low_m, low_v, last_m, last_v = rise
                 what = "the loss" if name == "loss" else name
@@ -1041,7 +1074,7 @@ class NumberRules:
             add("kl-blowup", [lm, bm], f"{name} reached {bv:g} at line {bm.line} after {lv:g} at line {lm.line} (kl_max {r.kl_max:g})")
         if self.big:
             add("grad-norm-explosion", self.big, f"grad norm reached {self.big_max:.3g} (limit {r.grad_norm_max:g})")
-        if self.floor:
+        if self.floor and not self.floor_left:
             add("loss-scale-collapse", self.floor, f"the loss scale was cut to {self.floor_min:g} "
                                                    f"(floor {r.loss_scale_floor:g}): every step overflows")
         if len(self.halving_best) >= r.scale_halving_run:
@@ -1109,8 +1142,8 @@ def fallback_rule(comp: Compiled, exception: tuple[int, str] | None, markers: li
                 return rule
     # The rules read the lines as the patterns do, without a launcher's or logger's prefix ([rank0]: KeyError).
     text = clean_line(exception[1]) if exception else "\n".join(clean_line(t) for _, t in markers[-3:])
-    for rule, rx in comp.fallback:
-        if rx.search(text):
+    for rule, rx, frames_rx in comp.fallback:
+        if rx.search(text) and (frames_rx is None or frames_rx.search("\n".join(tail))):
             return rule
     return comp.fallback[-1][0]
 
@@ -1140,11 +1173,11 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     comp = compiled(table)
     log = Log(text)
     code, sig_no, stopped_by = exit_fields(exit_info)
-    by_id = word_hits(log, comp)
+    metrics = parse_text(text, comp.keys, lines=log.lines, cleaned=log.clean, code=log.code)
+    by_id = word_hits(log, comp, {m.line - 1 for m in metrics})
     for k, h in exit_hits(comp, code, sig_no, stopped_by).items():
         have = by_id.setdefault(k, h)
         have.detail = have.detail or h.detail
-    metrics = parse_text(text, comp.keys, lines=log.lines, cleaned=log.clean, code=log.code)
     rules = _number_rules(metrics, comp)
     _merge_hits(by_id, rules.hits())
     transient = _set_aside_transients(by_id, rules)
@@ -1222,7 +1255,9 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             chunk, carry = data[:cut + 1], data[cut + 1:]
             del data  # one copy of the chunk in memory, not two
             log = Log(chunk, first_line=first_line)
-            _merge_hits(by_id, [*word_hits(log, comp).values(), *nonfinite_metric_hits(log, comp)], most=MAX_LINES_PER_HIT * 4)
+            chunk_metrics = list(line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line, end=not block))
+            _merge_hits(by_id, [*word_hits(log, comp, {m.line - first_line for m in chunk_metrics}).values(),
+                                *nonfinite_metric_hits(log, comp)], most=MAX_LINES_PER_HIT * 4)
             marked: set[int] = set()
             for m in comp.markers:
                 if log.may_match(m, comp):
@@ -1236,7 +1271,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             bar_done = last_bar_done(log) or bar_done
             finished_at = last_finished(log, comp) or finished_at
             tail_metrics = []
-            for m in line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line, end=not block):
+            for m in chunk_metrics:
                 if prev is not None and same_record(prev, m):
                     continue
                 rules.feed(m)
