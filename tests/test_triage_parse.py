@@ -389,3 +389,17 @@ def test_named_metrics_of_any_name_and_format():
     assert _one("max_grad_norm=inf lr=2e-4").named == {}
     rows = parse_text("| step | value_loss | grad_scale |\n| 5 | 0.31 | 1024.0 |\n", KEYS)
     assert [(m.step, m.named) for m in rows] == [(5.0, {"loss:value loss": 0.31, "loss_scale:grad scale": 1024.0})]
+
+
+def test_a_camelcase_key_a_qualified_key_and_the_bar_before_the_last_redraw():
+    # JAX/Equinox's `LossTrajs` is a loss like `DecoderLoss`: camel case is split before the case is folded.
+    m = _one("    Outer Step:     2      LossTrajs: 1.87387228     ContextsNorm: 0.03895722")
+    assert m.named == {"loss:losstrajs": 1.87387228}
+    # A qualifier in brackets between a key and its value is the key's, not a new key.
+    assert _one("Step 60/3500 | Loss (avg over last 20): 9.9984").loss == 9.9984
+    assert _one("epoch 3 loss (ce): 0.52").loss == 0.52
+    # One line of carriage-return redraws whose last bar (validation) logs no loss: the training bar before it did.
+    line = ("Training:  99%|#9| 290/294 [00:18<00:00, 16.39it/s, loss=0.27]\rTraining: 100%|#| 293/294 [00:18<00:00, "
+            "14.28it/s, loss=0.0687]\rValidating: 100%|##########| 33/33 [00:02<00:00, 18.18it/s]")
+    assert [m.loss for m in parse_text(line + "\n", KEYS)] == [0.0687]
+    assert parse_text("Validating: 50%|#| 1/2 [00:01<00:01]\rValidating: 100%|##| 2/2 [00:02<00:00]\n", KEYS) == []

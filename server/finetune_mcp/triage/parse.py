@@ -32,7 +32,7 @@ _NUM_C = r"-?nan|" + _NUM  # a C printf's NaN: `-nan`
 # ("mtp 1 loss" is not the loss).
 # A torch tensor printed whole (`Loss: tensor(2.3456, device='cuda:0', grad_fn=<AddBackward0>)`, `tensor([nan])`)
 # is its number: plain PyTorch loops print the loss that way.
-_PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?\s*(?:[:=]\s*['\"]?\[?|\s+)(?:tensor\(\[{0,2})?\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
+_PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?(?:\s*\([\w .,%/=-]{1,40}\))?\s*(?:[:=]\s*['\"]?\[?|\s+)(?:tensor\(\[{0,2})?\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
 _SPLIT = re.compile(r"\s*(?:\||│|,|;|\t| - )\s*")
 _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
 # wandb refusing a record logged with a step behind its own: "(User provided step: 883 is less than current step:
@@ -131,6 +131,15 @@ def _last_segment(line: str) -> str:
     while segs and ("\x1b" in segs[-1] or "[" in segs[-1]) and not _ANSI.sub("", segs[-1]).strip():
         segs.pop()
     return segs[-1] if segs else ""
+
+
+def _earlier_bar(line: str) -> str:
+    """The last redraw, before the one a terminal shows, that names a metric (cleaned), or ''."""
+    segs = line.split("\r")
+    for seg in reversed(segs[:-1]):
+        if _CARRY.search(seg.lower()):
+            return clean_line(seg)
+    return ""
 
 
 def _after_prefix(line: str, pos: int) -> str:
@@ -284,7 +293,8 @@ class KeyMap:
         if k in self.fields:
             return None
         # "lm loss avg" / "train loss smoothed": a listed key with a statistic or suffix is a named series of it.
-        return _kind_cached(k)
+        # CamelCase is split before the case is folded: `LossTrajs` is `loss trajs`, `DecoderLoss` `decoder loss`.
+        return _kind_cached(normalise_key(_CAMEL.sub(" ", key)) if _CAMEL.search(key) else k)
 
 
 @lru_cache(maxsize=4096)
@@ -634,8 +644,16 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
         if len(clean) < 40 and "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
             table.epoch = float(head.group(1))  # Keras' `Epoch 3/10`: the records under it are that epoch's
             continue
-        if not may_carry(clean, table) or i in code:
+        if i in code:
             continue
+        if not may_carry(clean, table):
+            # A line of carriage-return redraws shows its last bar (`Validating: 100%|...|`); the training bar
+            # before it, whose postfix held the epoch's last loss (`Training: 100%|...| 293/294 [..., loss=0.0687]`),
+            # is a record all the same.
+            raw = lines[i]
+            if ("\r" not in raw or ("loss" not in raw and "Loss" not in raw)  # (cheap tests first: most bars log no loss)
+                    or not (clean := _earlier_bar(raw)) or not may_carry(clean, table)):
+                continue
         m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
         if carries(m):
             if m.epoch is None:
