@@ -403,3 +403,6 @@ def test_a_camelcase_key_a_qualified_key_and_the_bar_before_the_last_redraw():
             "14.28it/s, loss=0.0687]\rValidating: 100%|##########| 33/33 [00:02<00:00, 18.18it/s]")
     assert [m.loss for m in parse_text(line + "\n", KEYS)] == [0.0687]
     assert parse_text("Validating: 50%|#| 1/2 [00:01<00:01]\rValidating: 100%|##| 2/2 [00:02<00:00]\n", KEYS) == []
+    # An OrderedDict of (name, value) tuples printed whole, as a plain loop's `print(f"training: {stats}")` does.
+    m = _one("[Epoch 2] training: OrderedDict([('loss', nan), ('acc', 0.5)])")
+    assert math.isnan(m.loss) and m.source == "tuples"

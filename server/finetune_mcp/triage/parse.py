@@ -33,6 +33,7 @@ _NUM_C = r"-?nan|" + _NUM  # a C printf's NaN: `-nan`
 # A torch tensor printed whole (`Loss: tensor(2.3456, device='cuda:0', grad_fn=<AddBackward0>)`, `tensor([nan])`)
 # is its number: plain PyTorch loops print the loss that way.
 _PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?(?:\s*\([\w .,%/=-]{1,40}\))?\s*(?:[:=]\s*['\"]?\[?|\s+)(?:tensor\(\[{0,2})?\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
+_TUPLE_PAIR = re.compile(r"\(\s*'([\w/.\- ]{1,48})'\s*,\s*(" + _NUM + r")\s*\)")
 _SPLIT = re.compile(r"\s*(?:\||│|,|;|\t| - )\s*")
 _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
 # wandb refusing a record logged with a step behind its own: "(User provided step: 883 is less than current step:
@@ -603,6 +604,10 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
     if not m.source and " rate," in line and (dn := _DARKNET.match(line)):
         m.step, m.loss, m.lr, m.source = float(dn.group(1)), to_number(dn.group(3)), to_number(dn.group(4)), "darknet"
         return m
+    if not m.source and "('" in line and (tuples := _TUPLE_PAIR.findall(line)):
+        # An OrderedDict or a list of (name, value) tuples printed whole: `OrderedDict([('loss', 0.0377)])`.
+        if any([_assign(m, keys, normalise_key(k), v) for k, v in tuples]):
+            m.source = "tuples"
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
         m.source = "pairs"
     if m.step is None and (m.loss is not None or m.grad_norm is not None or m.eval_loss is not None or m.named):
