@@ -604,9 +604,12 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
     if not m.source and " rate," in line and (dn := _DARKNET.match(line)):
         m.step, m.loss, m.lr, m.source = float(dn.group(1)), to_number(dn.group(3)), to_number(dn.group(4)), "darknet"
         return m
-    if not m.source and "('" in line and (tuples := _TUPLE_PAIR.findall(line)):
+    if not m.source and "('" in line:
         # An OrderedDict or a list of (name, value) tuples printed whole: `OrderedDict([('loss', 0.0377)])`.
-        if any([_assign(m, keys, normalise_key(k), v) for k, v in tuples]):
+        found = False
+        for k, v in _TUPLE_PAIR.findall(line):
+            found |= _assign(m, keys, normalise_key(k), v)
+        if found:
             m.source = "tuples"
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
         m.source = "pairs"

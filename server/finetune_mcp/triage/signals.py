@@ -952,7 +952,7 @@ class NumberRules:
         self.loss_scale_last = v
 
     def _converged(self, values) -> bool:
-        """Flat at the lowest loss of the run (within flat_converged_near of its range), flat_converged_factor x below
+        """Flat at the lowest loss of the run (within flat_converged_near of the value), flat_converged_factor x below
         its highest - for a signed objective (a negative log-likelihood), as far below it as that factor puts a positive
         one: converged, not stuck. A loss flat at exactly 0 is never converged (zero_loss_run)."""
         f = self.r.flat_converged_factor
