@@ -110,3 +110,39 @@ def test_a_server_killed_mid_prepare_dataset_takes_its_job_and_temp_folders_with
     assert sorted(p.name for p in datasets.glob(".staging-*")) == []
     # Kept on purpose: the folder with a link to this package that jobs import it from.
     assert [n.name for n in tmp.iterdir() if not n.name.startswith("finetune-mcp-pkg-")] == []
+
+
+def test_a_process_the_job_forked_outside_its_group_ends_with_the_server_too(monkeypatch):
+    # The job's watcher kills its process group when the lifeline reaches EOF; a pool worker (prepare_data's templating
+    # pool starts each with follow_lifeline) watches the lifeline itself, so one that missed that kill - here, one that
+    # left the group - still ends. Real processes: a pipe whose write end plays the server, a forked child.
+    import multiprocessing as mp
+
+    from finetune_mcp.common import proto
+
+    r, w = os.pipe()
+    monkeypatch.setattr(proto, "_lifeline_fd", r)
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_forked_helper, args=(w, ready))
+    child.start()
+    try:
+        assert ready.wait(30) and child.is_alive()
+        os.close(w)  # the server is gone
+        child.join(BOUND_S)
+        assert not child.is_alive(), "the forked helper outlived its server"
+        assert child.exitcode == -signal.SIGKILL
+    finally:
+        if child.is_alive():
+            child.kill()
+        os.close(r)
+
+
+def _forked_helper(w: int, ready) -> None:
+    from finetune_mcp.common import proto
+
+    os.close(w)  # only the server holds the write end (a job is exec'd; os.pipe's ends do not pass exec)
+    os.setpgid(0, 0)  # out of the group the job's watcher would kill
+    proto.follow_lifeline()
+    ready.set()
+    time.sleep(60)

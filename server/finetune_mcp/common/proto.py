@@ -40,6 +40,32 @@ class JobError(Exception):
         self.kind, self.message, self.where, self.fix = kind, message, where, fix
 
 
+_lifeline_fd: int | None = None  # the job's lifeline read end, once _watch_parent has taken it
+
+
+def _wait_for_eof(fd: int) -> None:
+    try:
+        while os.read(fd, 1):  # nothing is ever written: only the end of the pipe comes
+            pass
+    except OSError:
+        pass
+
+
+def follow_lifeline() -> None:
+    """In a process the job forked (a pool worker's initializer): end it too when the server is gone. A fork copies
+    no thread, so the job's watcher does not come along, but the lifeline's read end does. The job's watcher kills its
+    whole process group; this is the same end for a process that missed that kill (one forked at that moment)."""
+    fd = _lifeline_fd
+    if fd is None:
+        return
+
+    def watch() -> None:
+        _wait_for_eof(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="finetune-mcp-lifeline", daemon=True).start()
+
+
 def _watch_parent() -> None:
     """End this job, its process group and its scratch paths when the server that started it is gone.
 
@@ -60,12 +86,11 @@ def _watch_parent() -> None:
     except (ValueError, OSError, TypeError):
         return
 
+    global _lifeline_fd
+    _lifeline_fd = fd_n
+
     def watch() -> None:
-        try:
-            while os.read(fd_n, 1):  # nothing is ever written: only the end of the pipe comes
-                pass
-        except OSError:
-            pass
+        _wait_for_eof(fd_n)
         for p in paths:
             if os.path.isdir(p) and not os.path.islink(p):
                 shutil.rmtree(p, ignore_errors=True)

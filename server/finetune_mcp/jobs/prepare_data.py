@@ -21,7 +21,7 @@ from typing import Any
 
 from finetune_mcp.common import records as R
 from finetune_mcp.common import masking as M
-from finetune_mcp.common.proto import JobError, emit_progress, in_job, run_main
+from finetune_mcp.common.proto import JobError, emit_progress, follow_lifeline, in_job, run_main
 from finetune_mcp.jobs.collapse_guard import UNSTATED, collapse_metrics, judge_collapse, near_duplicates, what_repeats
 
 STAGES = 7
@@ -205,7 +205,7 @@ class _Templating:
             return
         import multiprocessing as mp
 
-        self.pool = mp.get_context("fork").Pool(workers)
+        self.pool = mp.get_context("fork").Pool(workers, initializer=follow_lifeline)  # each worker ends with the server
         self.results = self.pool.imap(_template_one, records, chunksize=256)
 
     def __iter__(self):
