@@ -573,6 +573,12 @@ def _distinct_window(values, spread: int) -> bool:
     return hi - lo >= spread * 10.0 ** -decimals
 
 
+def _total_fell(first: Metric, last: Metric) -> bool:
+    """The training loss logged on both records fell from the first to the last: a named term of it that rose
+    between them is the trade-off the total makes (wav2vec 2.0's diversity term), not a divergence."""
+    return _finite(first.loss) and _finite(last.loss) and last.loss < first.loss
+
+
 def _weights_move(records, ppl: bool = True) -> bool:
     """The records say the weights are moving, whatever the loss print says: a grad norm that is positive and
     not the same every time, or another loss logged beside it (`Train L1 Loss`, `value_loss`, or a validation
@@ -1057,9 +1063,7 @@ class NumberRules:
                 f"{what} {_value(m, name):g} at line {m.line} is {_value(m, name) / med:.1f}x the running median {med:g}")
         for name, se in every:
             rise = se.rise()
-            if rise and name != "loss" and _finite(rise[0].loss) and _finite(rise[2].loss) and rise[2].loss < rise[0].loss:
-                continue  # one term rose while the total it is part of kept falling: the trade-off, not a divergence
-            if rise:
+            if rise and not (name != "loss" and _total_fell(rise[0], rise[2])):
                 low_m, low_v, last_m, last_v = rise
                 what = "the loss" if name == "loss" else name
                 add("loss-rise", [low_m, last_m], f"{what} rose from its minimum {low_v:g} (line {low_m.line}) to {last_v:g} "
