@@ -742,6 +742,30 @@ def test_a_flat_loss_beside_a_loss_that_moves_or_at_a_converged_floor_is_not_stu
     assert "flat-loss" in _ids(_losses([0.167, 0.09, 0.05, 0.03] + [0.0693] * (n + 1)))
 
 
+def test_a_loss_that_never_moved_from_its_first_log_is_stuck():
+    n, band = RULES.flat_still_logs, RULES.flat_still_band
+    assert n and band
+    # Caffe pinned at ln 1000 (6.90776), printed beside the solver's smoothed average: never five identical in a row.
+    pinned = [6.91161, 6.91161] + [6.90501, 6.90776, 6.90635, 6.90776, 6.90681, 6.90776, 6.90704, 6.90776] * n
+    assert max(pinned) - min(pinned) <= band * min(pinned)
+    assert _ids(_losses(pinned[:n])) == ["flat-loss"]
+    assert _ids(_losses(pinned[:n - 1])) == []  # too short to tell
+    # A GPT-2 run's first ten logs at uniform over its vocabulary, falling: learning slowly, not stuck.
+    start = [10.826 - 0.0049 * i for i in range(n)]
+    assert _ids(_losses(start)) == []
+    # The same band, but lower at the end than anywhere in the first half: progress, however slow.
+    creeping = [2.4330 - 0.0004 * i for i in range(n)]
+    assert max(creeping) - min(creeping) <= band * min(creeping)
+    assert _ids(_losses(creeping)) == []
+    # A plateau the run leaves (a loss-plateau study: 2.43 for twenty logs, then 0.01) moved.
+    plateau = [round(2.4311 + 0.0001 * ((i * 37) % 23 - 11), 4) for i in range(20)] + [1.2, 0.3, 0.05, 0.012]
+    assert _ids(_losses(plateau)) == []
+    # An earlier run appended to the log that never moved still counts (its curve closes at the restart).
+    appended = [Metric(i + 1, "x", epoch=1.0 + i, loss=v) for i, v in enumerate(pinned[:n])]
+    appended += [Metric(n + i + 1, "x", epoch=1.0 + i, loss=v) for i, v in enumerate([2.0, 1.5, 1.1, 0.9, 0.8])]
+    assert "flat-loss" in _ids(appended)
+
+
 def test_a_window_recurring_at_the_same_steps_is_a_replay_at_later_steps_stuck_weights():
     w = RULES.flat_repeat_window
     vals = [0.8082, 0.6930, 0.7121, 0.6987, 0.6850][:w]

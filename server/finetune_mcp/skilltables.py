@@ -385,6 +385,9 @@ class RecordRules(Strict):
                                          "its highest, is a converged run, not a stuck one (0: never)")
     flat_converged_near: float = Field(0.0, ge=0, lt=1, description="'at the lowest value' within this share of the value "
                                        "above it (a plateau's print noise around its floor)")
+    flat_still_logs: int = Field(0, ge=0, description="a run whose loss stays within flat_still_band of itself for this "
+                                 "many logs, from its first, and makes no progress is stuck (0: never)")
+    flat_still_band: float = Field(0.0, ge=0, lt=1, description="... the band, as a share of the run's lowest loss")
     flat_window_spread: int = Field(0, ge=0, description="a recurring window counts only if its values are identical or "
                                     "span at least this many units of their last printed digit (not a plateau's rounding noise)")
     grad_norm_max: float = Field(gt=0)

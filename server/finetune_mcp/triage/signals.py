@@ -777,6 +777,10 @@ class NumberRules:
         self.recent_vals: deque[float | tuple[float, ...]] = deque(maxlen=self.r.flat_repeat_window)  # loss, or (loss, perplexities)
         self.seen_windows: dict[tuple[float, ...], tuple[int, int, str]] = {}
         self.finite_count = 0
+        # A run whose loss never left a band of flat_still_band x its lowest value: its losses while it has not
+        # (None once it has: then it moved, and nothing more is kept), and the first and last of their records
+        self.still: list[float] | None = []
+        self.still_lines: list[Metric] = []
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
         self.run_low: float | None = None
         self.points: set[tuple] = set()  # (epoch, step, loss) of this run's records, to see a replay
@@ -795,6 +799,7 @@ class NumberRules:
         not read against the old run's minimum. What the old run already showed (a flat loss, a KL blow-up, a
         NaN) stays."""
         self._close_run()  # a flat stretch the old run ended on is judged as it stands
+        self._close_still()
         for se in self.series.values():  # and its own lasting spikes and rise, against its own curve
             if len(self.closed_series) < MAX_CLOSED_SERIES:
                 self.closed_series.append(se)
@@ -804,6 +809,7 @@ class NumberRules:
         self.recent_vals.clear()
         self.seen_windows = {}
         self.run_high = self.run_low = None
+        self.still, self.still_lines = [], []
         self.points = set()
         if self.kl_blow is None:
             self.kl_low = None  # a new run's KL starts over too (a blow-up already seen keeps the KL it rose from)
@@ -973,6 +979,13 @@ class NumberRules:
         self.finite_count += 1
         self.run_high = m.loss if self.run_high is None else max(self.run_high, m.loss)
         self.run_low = m.loss if self.run_low is None else min(self.run_low, m.loss)
+        if self.still is not None:
+            if self.run_low > 0 and self.run_high - self.run_low <= r.flat_still_band * self.run_low:
+                if len(self.still) < MAX_WINDOWS:
+                    self.still.append(m.loss)
+                    self.still_lines[MAX_LINES_PER_HIT - 1:] = [m]  # the first ones, and the latest
+            else:
+                self.still, self.still_lines = None, []
         if self.flat is not None:
             return
         if self.run_vals and self.run_vals[0].loss != m.loss:
@@ -997,6 +1010,20 @@ class NumberRules:
                                                           f"and again from {self.recent[0].line}): the weights are not changing")
             elif have is None and len(self.seen_windows) < MAX_WINDOWS:
                 self.seen_windows[key] = (i, self.recent[0].line, self.recent[0].text)
+
+    def _close_still(self):
+        """At a run's end (a restart, or the log's): did its loss never move?"""
+        r = self.r
+        if self.flat is None and self.still and r.flat_still_logs and len(self.still) >= r.flat_still_logs:
+            # The loss never moved: within flat_still_band of itself from the run's first log to its last, and no
+            # lower in the second half than in the first (a run that starts at uniform over its vocabulary, 10.83
+            # -> 10.78 in ten logs, is learning slowly). Caffe's MobileNetV3 pinned at ln 1000 = 6.9078 from the
+            # start, printed beside the solver's smoothed average (6.905 .. 6.912), is never identical five times.
+            half = len(self.still) // 2
+            if min(self.still[half:]) >= min(self.still[:half]):
+                ms = self.still_lines
+                self.flat = (ms, f"the loss never moved: {len(self.still)} logs from line {ms[0].line} to {ms[-1].line} "
+                                 f"all between {self.run_low:g} and {self.run_high:g}")
 
     def _close_run(self):
         r = self.r
@@ -1086,6 +1113,7 @@ class NumberRules:
             add("loss-scale-halving", ms, f"the loss scale halved {len(ms)} logs in a row after it had settled "
                                           f"({_scale_of(ms[0]) * 2:g} down to {_scale_of(ms[-1]):g}): fp16 overflow at every step")
         self._close_run()
+        self._close_still()
         if self.flat:
             add("flat-loss", self.flat[0], self.flat[1])
         return out
