@@ -766,6 +766,51 @@ def test_a_loss_that_never_moved_from_its_first_log_is_stuck():
     assert "flat-loss" in _ids(appended)
 
 
+def test_a_run_that_ends_at_ln_k_is_a_uniform_guess():
+    n, near = RULES.chance_logs, RULES.chance_near
+    assert n and near
+    # A Keras multi-label model whose loss sat at ln 2 (AUC 0.500) after 0.7117.
+    pinned = [0.7117, 0.69325, 0.69324, 0.69325, 0.69323, 0.69320, 0.69321, 0.69317][-(n + 2):]
+    assert _ids(_losses(pinned)) == ["flat-loss"]
+    assert _ids(_losses([2.41, 2.3031, 2.3019, 2.3027, 2.3024, 2.3022][-(n + 1):])) == ["flat-loss"]  # ln 10
+    # Passing through chance on the way down is learning; so is a plateau at no ln k, or past chance_classes.
+    assert _ids(_losses([0.7117, 0.6932, 0.6931, 0.6930, 0.6932, 0.6931, 0.52, 0.31])) == []
+    assert _ids(_losses([3.2, 2.9, 2.4921, 2.4911, 2.4928, 2.4917, 2.4922, 2.4919])) == []
+    k = RULES.chance_classes + 1
+    import math
+    assert _ids(_losses([8.0] + [round(math.log(k), 4) + 0.0001 * (i % 3) for i in range(n)])) == []
+
+
+def test_a_nan_loss_on_the_epoch_0_row_is_a_mean_over_no_steps():
+    # A metrics CSV written after evaluating the untrained model: train_loss/train_acc have no samples yet.
+    head = "epoch,lr,train_loss,train_acc,test_loss,test_acc\n0,0.2,nan,nan,2.4937,0.1008\n"
+    rows = "".join(f"{e},0.2,{2.15 / e:.4f},{0.2 + e / 100:.3f},{1.7 / e:.4f},{0.36 + e / 100:.3f}\n" for e in range(1, 8))
+    assert _ids(parse_text(head + rows, KEYS)) == []
+    # The same NaN with too few finite losses after it, or another NaN later, or at epoch 1: a NaN loss.
+    short = "".join(rows.splitlines(keepends=True)[:RULES.nonfinite_recovered_logs - 1])
+    assert "nonfinite-loss" in _ids(parse_text(head + short, KEYS))
+    assert "nonfinite-loss" in _ids(parse_text(head + rows + "8,0.2,nan,0.3,1.1,0.4\n", KEYS))
+    assert "nonfinite-loss" in _ids(parse_text(head.replace("\n0,", "\n1,") + rows.replace("1,0.2,", "2,0.2,", 1), KEYS))
+
+
+def test_one_step_printed_twice_is_no_replay_and_a_spike_the_run_learned_away_from_is_no_divergence():
+    # Keras draws the last batch's bar with its ETA and again with its time per step: the same (epoch, step, loss).
+    # (Read as a replay, the run restarted at each such pair: from 0.0166 through a partial 0.0043 to 0.0228, a rise.)
+    lines = []
+    for e, (bar, v) in enumerate([(66, 10.41), (66, 2.1), (66, 0.31), (66, 0.05), (66, 0.0166), (63, 0.0043), (66, 0.0228)], start=1):
+        end = 0.0114 if bar == 63 else v
+        lines += [f"Epoch {e}/7", f"{bar}/66 [======] - ETA: 0s - loss: {v:.4f} - acc: 0.99",
+                  f"66/66 [======] - 1s 19ms/step - loss: {end:.4f} - acc: 0.99 - val_loss: 0.01 - val_acc: 0.99"]
+    assert _ids(parse_text("\n".join(lines), KEYS)) == []
+    # Fell from 10.41 to 0.0003, spiked to 18.9 and ended at 0.07: 270x its floor, 0.7 % of its start.
+    vals = [10.41, 3.1, 0.9, 0.2, 0.05] + [0.0003 + 0.000001 * ((i * 37) % 23) for i in range(25)]
+    vals += [18.87, 11.4, 2.1, 0.6] + [0.07 + 0.0001 * ((i * 37) % 23) for i in range(25)]
+    assert vals[-1] <= RULES.spike_settled_below * vals[0]
+    assert "loss-spike" not in _ids(_losses(vals))
+    # Ending at half its start, the same spike counts.
+    assert "loss-spike" in _ids(_losses(vals[:-25] + [5.2 + 0.001 * ((i * 37) % 23) for i in range(25)]))
+
+
 def test_a_window_recurring_at_the_same_steps_is_a_replay_at_later_steps_stuck_weights():
     w = RULES.flat_repeat_window
     vals = [0.8082, 0.6930, 0.7121, 0.6987, 0.6850][:w]

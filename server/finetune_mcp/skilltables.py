@@ -370,6 +370,8 @@ class RecordRules(Strict):
     spike_abs_min: float = Field(0.0, ge=0, description="a spike must rise at least this much above the median (print noise near zero)")
     spike_recover_factor: float = Field(0.0, ge=0, description="a spike the loss comes back under this x the median from is one bad batch (0: never)")
     spike_recover_logs: int = Field(1, ge=1, description="... within this many logs")
+    spike_settled_below: float = Field(0.0, ge=0, lt=1, description="a lasting spike does not count if the curve ends "
+                                       "at or below this share of its first value: it learned again (0: always counts)")
     rise_window: int = Field(1, ge=1, description="a long curve is read for a rise by its rolling median over this many values")
     rise_smooth_after: int = Field(10**9, ge=1, description="a curve of at least this many values is a long one")
     went_on_records: int = Field(0, ge=0, description="metric records logged after the last error line that show the run went on (0: never)")
@@ -388,6 +390,10 @@ class RecordRules(Strict):
     flat_still_logs: int = Field(0, ge=0, description="a run whose loss stays within flat_still_band of itself for this "
                                  "many logs, from its first, and makes no progress is stuck (0: never)")
     flat_still_band: float = Field(0.0, ge=0, lt=1, description="... the band, as a share of the run's lowest loss")
+    chance_logs: int = Field(0, ge=0, description="a run whose last this many losses sit at ln k, a uniform guess over k "
+                             "classes, ends stuck at chance (0: never)")
+    chance_classes: int = Field(10, ge=2, description="... for k up to this many classes")
+    chance_near: float = Field(0.001, ge=0, lt=0.1, description="... each within this share of ln k")
     flat_window_spread: int = Field(0, ge=0, description="a recurring window counts only if its values are identical or "
                                     "span at least this many units of their last printed digit (not a plateau's rounding noise)")
     grad_norm_max: float = Field(gt=0)

@@ -703,7 +703,16 @@ class _Series:
         """The spikes that did not recover, and a spike the log ends on (nothing shows it recovered) unless this
         curve already came back from one as high: a noisy curve (a PPO value loss) ending on more of the same."""
         ending = [(m, med) for m, med, _, ratio in self.pending if ratio > self.came_back_from]
+        r = self.rules
+        if r.spike_settled_below and self.first and self.first > 0 and self._level() <= r.spike_settled_below * self.first:
+            return []  # the curve ends far below where it started: it learned again after its spikes
         return (self.spikes + ending)[:MAX_LINES_PER_HIT]
+
+    def _level(self) -> float:
+        """Where the curve ends: its last value, or for a long curve its lowest recent rolling median."""
+        if self.count >= self.rules.rise_smooth_after and self.smooth_tail:
+            return min(self.smooth_tail)
+        return self.last_value
 
     def rise(self) -> tuple[Metric, float, Metric, float] | None:
         r = self.rules
@@ -740,6 +749,11 @@ class NumberRules:
         self.r = comp.table.records
         self.nonfinite: list[Metric] = []
         self.nonfinite_names: dict[str, int] = {}
+        # A NaN training loss on the log's first record, at epoch or step 0, is a mean over no steps yet (a metrics
+        # CSV's epoch-0 row, written after evaluating the untrained model); held here, it counts unless
+        # nonfinite_recovered_logs finite losses follow and no other NaN.
+        self.empty_mean: Metric | None = None
+        self.empty_after = 0
         # Lines of the records that logged a non-finite grad norm (to tell a word hit on those very lines, which
         # a skipped fp16 step explains, from a framework's own NaN check); None once past MAX_TRANSIENT_LINES.
         self.grad_bad_lines: set[int] | None = set()
@@ -781,10 +795,12 @@ class NumberRules:
         # (None once it has: then it moved, and nothing more is kept), and the first and last of their records
         self.still: list[float] | None = []
         self.still_lines: list[Metric] = []
+        self.last_losses: deque[Metric] = deque(maxlen=max(1, self.r.chance_logs))  # the run's latest finite losses
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
         self.run_low: float | None = None
         self.points: set[tuple] = set()  # (epoch, step, loss) of this run's records, to see a replay
         self.step_last: float | None = None  # the step of the last record with a step and a finite loss
+        self.point_last: tuple | None = None  # and its (epoch, step, loss)
         self.epoch_max: float | None = None
         # the summary classify reports
         self.records = 0
@@ -810,6 +826,7 @@ class NumberRules:
         self.seen_windows = {}
         self.run_high = self.run_low = None
         self.still, self.still_lines = [], []
+        self.last_losses.clear()
         self.points = set()
         if self.kl_blow is None:
             self.kl_low = None  # a new run's KL starts over too (a blow-up already seen keeps the KL it rose from)
@@ -821,6 +838,14 @@ class NumberRules:
         if hit is None:
             hit = self._adv[name] = name != "loss" and any(w in self.comp.adversarial for w in name.split())
         return hit
+
+    def _empty_mean_counts(self):
+        """The first record's NaN loss was no empty mean after all (another NaN came, or too few finite losses)."""
+        m, self.empty_mean = self.empty_mean, None
+        if m is not None:
+            self.nonfinite_names["loss"] = self.nonfinite_names.get("loss", 0) + 1
+            self.nonfinite.insert(0, m)
+            del self.nonfinite[MAX_LINES_PER_HIT:]
 
     def _bad(self, m: Metric, name: str):
         self.nonfinite_names[name] = self.nonfinite_names.get(name, 0) + 1
@@ -848,10 +873,13 @@ class NumberRules:
             # (Each epoch repeating the last one's per-step losses is stuck weights: flat-loss's, not this.)
             # A replay starts over: its step goes back. On a plateau the same rounded loss recurs at the same batch
             # index of a later epoch (`batch 6300/6400 loss=-1.8781`, the step still climbing within the epoch).
+            # The same point as the record just before is one step printed twice (Keras draws a batch's bar line
+            # with its ETA, then again with its time per step: `66/66 ... ETA: 0s - loss: 0.0228` twice), no replay.
             point = (m.epoch, m.step, m.loss)
-            if point in self.points and _significant_digits(m.loss) >= 3 and (self.step_last is None or m.step <= self.step_last):
+            if (point in self.points and point != self.point_last and _significant_digits(m.loss) >= 3
+                    and (self.step_last is None or m.step <= self.step_last)):
                 self._restart()
-            self.step_last = m.step
+            self.step_last, self.point_last = m.step, point
             if len(self.points) < MAX_WINDOWS:
                 self.points.add(point)
         losses: list[tuple[str, float]] = []
@@ -885,6 +913,10 @@ class NumberRules:
             if math.isfinite(v) and abs(v) >= self.r.loss_abs_max and len(self.huge) < MAX_LINES_PER_HIT:
                 self.huge.append((m, name, v))
             if not math.isfinite(v):
+                if name == "loss" and self.losses == 1 and self.records == 1 and (m.epoch == 0 or m.step == 0):
+                    self.empty_mean = m
+                    continue
+                self._empty_mean_counts()
                 self._bad(m, name)
             elif v < 0 and name != "loss":
                 if m.rl:
@@ -922,6 +954,7 @@ class NumberRules:
             if _finite(v) and (v > 0 or self.scale_prev is not None):  # a first scale of 0 is a config's "dynamic"
                 self._scale(m, v)
         if _finite(m.loss):
+            self.empty_after += 1
             self._flat(m)
             self.loss_last = m.loss
             self.loss_first = m.loss if self.loss_first is None else self.loss_first
@@ -979,6 +1012,7 @@ class NumberRules:
         self.finite_count += 1
         self.run_high = m.loss if self.run_high is None else max(self.run_high, m.loss)
         self.run_low = m.loss if self.run_low is None else min(self.run_low, m.loss)
+        self.last_losses.append(m)
         if self.still is not None:
             if self.run_low > 0 and self.run_high - self.run_low <= r.flat_still_band * self.run_low:
                 if len(self.still) < MAX_WINDOWS:
@@ -1012,8 +1046,17 @@ class NumberRules:
                 self.seen_windows[key] = (i, self.recent[0].line, self.recent[0].text)
 
     def _close_still(self):
-        """At a run's end (a restart, or the log's): did its loss never move?"""
+        """At a run's end (a restart, or the log's): did its loss never move, or end pinned at chance?"""
         r = self.r
+        tail = self.last_losses
+        if self.flat is None and r.chance_logs and len(tail) == r.chance_logs and 0 < tail[-1].loss < math.log(r.chance_classes + 1):
+            # Each of the run's last chance_logs losses within chance_near of ln k, k classes (2 .. chance_classes):
+            # the model predicts a uniform distribution over them - it learned nothing, or came apart to it.
+            k = round(math.exp(tail[-1].loss))
+            if 2 <= k <= r.chance_classes and all(abs(x.loss - math.log(k)) <= r.chance_near * math.log(k) for x in tail):
+                self.flat = (list(tail), f"the run ends pinned at ln {k} = {math.log(k):.4f}, a uniform guess over {k} "
+                                         f"classes: its last {len(tail)} losses {tail[0].loss:g} .. {tail[-1].loss:g}")
+                return
         if self.flat is None and self.still and r.flat_still_logs and len(self.still) >= r.flat_still_logs:
             # The loss never moved: within flat_still_band of itself from the run's first log to its last, and no
             # lower in the second half than in the first (a run that starts at uniform over its vocabulary, 10.83
@@ -1065,6 +1108,8 @@ class NumberRules:
 
     def hits(self) -> list[Hit]:
         comp, r = self.comp, self.r
+        if self.empty_after < r.nonfinite_recovered_logs:
+            self._empty_mean_counts()
         out: list[Hit] = []
 
         def add(rule: str, ms: list[Metric], detail: str):
