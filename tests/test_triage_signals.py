@@ -811,6 +811,37 @@ def test_one_step_printed_twice_is_no_replay_and_a_spike_the_run_learned_away_fr
     assert "loss-spike" in _ids(_losses(vals[:-25] + [5.2 + 0.001 * ((i * 37) % 23) for i in range(25)]))
 
 
+def test_a_long_curve_that_ends_above_its_start_by_rise_abs_rose_whatever_the_ratio():
+    import random
+    n, gap, noise = RULES.rise_smooth_after, RULES.rise_abs, random.Random(7)
+    assert gap
+    # A nanoGPT sweep arm: 4.73 at initialisation, 7.3 for the rest of the run (1.5x, a perplexity 12x higher).
+    worse = [4.73, 5.24, 6.28, 7.32, 7.87] + [round(7.30 + noise.uniform(-0.1, 0.1), 4) for i in range(n)]
+    assert worse[-1] < RULES.rise_factor * min(worse)
+    assert _ids(_losses(worse)) == ["loss-rise"]
+    # The same level, but a short excerpt: one bad stretch is no held level.
+    assert _ids(_losses(worse[:RULES.rise_smooth_after // 2])) == []
+    # Ending above its start but less than rise_abs above its lowest (a loss term switched on after warm-up).
+    switched = [round(2.14 + noise.uniform(-0.05, 0.05), 4) for i in range(n)]
+    switched += [round(2.14 + gap * 0.9 + noise.uniform(-0.05, 0.05), 4) for i in range(n)]
+    assert _ids(_losses(switched)) == []
+    # A reinforcement-learning trainer's loss follows its returns: rl_rise_factor only.
+    assert "loss-rise" not in _ids([Metric(i + 1, "x", step=i + 1, loss=v, rl=True) for i, v in enumerate(worse)])
+
+
+def test_a_relaunchs_first_loss_before_its_epoch_bar_belongs_to_the_new_run():
+    # GANomaly appended to one nohup.out: the new run's first record prints before the bar that names epoch 1.
+    first = [Metric(i + 1, "x", epoch=float(i + 1), loss=2.0 / (i + 1), named={"loss:l con": 0.3 / (i + 1)}) for i in range(50)]
+    relaunch = [Metric(60, "x", loss=17.59, named={"loss:l con": 0.3345})]
+    second = [Metric(61 + i, "x", epoch=float(i + 2), loss=11.77 / (i + 1), named={"loss:l con": 0.219 / (i + 1)}) for i in range(20)]
+    assert _ids(first + relaunch + second) == []
+    # Without the bar after it, the same record is the old run's last: a rise.
+    assert "loss-rise" in _ids(first + relaunch)
+    # BasicSR's l_pix and a paper's L_total are losses; l_rate is not.
+    from finetune_mcp.triage.parse import key_kind
+    assert key_kind("l_pix") == key_kind("L_total") == "loss" and key_kind("l_rate") is None
+
+
 def test_a_window_recurring_at_the_same_steps_is_a_replay_at_later_steps_stuck_weights():
     w = RULES.flat_repeat_window
     vals = [0.8082, 0.6930, 0.7121, 0.6987, 0.6850][:w]

@@ -378,6 +378,8 @@ class RecordRules(Strict):
     stop_echo_lines: int = Field(20, ge=0, description="a traceback starting within this many lines after a Ctrl-C is the stop's echo (workers, shutdown), not a failure of its own")
     rise_factor: float = Field(gt=1, description="the last loss at this x the minimum before it is a divergence")
     rl_rise_factor: float = Field(20.0, gt=1, description="rise_factor for a reinforcement-learning trainer's losses, which follow its returns")
+    rise_abs: float = Field(0.0, ge=0, description="a long curve whose held level ends above its first value and this "
+                            "much above its lowest is a divergence too, whatever the ratio (0: never)")
     rise_min_history: int = Field(ge=1, description="losses needed before the minimum counts")
     rise_back_to: float = Field(gt=0, description="and the last loss is at least this fraction of the first: it climbed back, not a converged run's noise")
     flat_identical_run: int = Field(ge=2)

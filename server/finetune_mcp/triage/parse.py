@@ -200,7 +200,8 @@ def key_kind(key: str) -> str | None:
     if any(t in _REWARD_WORDS for t in toks):
         return "reward"
     if any(t == "losses" or t.endswith("loss") or t in _LOSS_NAMES for t in toks) or (
-            "crossentropy" in toks or "cross" in toks and "entropy" in toks):  # MXNet's Train-cross-entropy
+            "crossentropy" in toks or "cross" in toks and "entropy" in toks) or (  # MXNet's Train-cross-entropy
+            toks[0] == "l" and len(toks) > 1 and toks[1] not in ("r", "rate")):  # BasicSR's l_pix, a paper's L_total
         if "scale" in toks or "scaler" in toks:
             return "loss_scale"
         return "eval_loss" if any(t in ("eval", "val", "valid", "validation", "test", "dev") for t in toks) else "loss"

@@ -727,6 +727,11 @@ class _Series:
         factor = r.rl_rise_factor if self.rl else r.rise_factor
         if low_v > 0 and last_v >= factor * low_v and last_v >= r.rise_back_to * self.first:
             return low_m, low_v, self.last, last_v
+        # A long curve whose held level ends above where it started and rise_abs above its lowest level: a
+        # cross-entropy is a log, so a language model's 4.8 -> 7.8 nats (1.6x) is a perplexity 20x higher.
+        if (r.rise_abs and not self.rl and self.count >= r.rise_smooth_after and low_v > 0 and last_v >= self.first
+                and last_v - low_v >= r.rise_abs):
+            return low_m, low_v, self.last, last_v
         return None
 
 
@@ -752,6 +757,7 @@ class NumberRules:
         # A NaN training loss on the log's first record, at epoch or step 0, is a mean over no steps yet (a metrics
         # CSV's epoch-0 row, written after evaluating the untrained model); held here, it counts unless
         # nonfinite_recovered_logs finite losses follow and no other NaN.
+        self.held: Metric | None = None  # a record without an epoch waiting for the next one (see feed)
         self.empty_mean: Metric | None = None
         self.empty_after = 0
         # Lines of the records that logged a non-finite grad norm (to tell a word hit on those very lines, which
@@ -854,6 +860,23 @@ class NumberRules:
                 self.nonfinite.append(m)
 
     def feed(self, m: Metric):
+        """One record. A record without an epoch in a run whose records carry one waits for the next record: if
+        that one starts a new run (its epoch went back), the record was the new run's first (a relaunch prints
+        its first loss before the progress bar that names the epoch), not the old run's last."""
+        held, self.held = self.held, None
+        if m.epoch is None and m.run_end is None and self.epoch_max is not None:
+            if held is not None:
+                self._feed(held)
+            self.held = m
+            return
+        if held is not None:
+            if m.epoch is not None and math.isfinite(m.epoch) and m.epoch < self.epoch_max / 2:
+                self._restart()
+                self.epoch_max = None
+            self._feed(held)
+        self._feed(m)
+
+    def _feed(self, m: Metric):
         self.records += 1
         if m.run_end is not None:
             # A run ended: HF Trainer's end-of-training summary ({'train_runtime': ..., 'train_loss': <the mean>},
@@ -1108,6 +1131,9 @@ class NumberRules:
 
     def hits(self) -> list[Hit]:
         comp, r = self.comp, self.r
+        if self.held is not None:
+            held, self.held = self.held, None
+            self._feed(held)
         if self.empty_after < r.nonfinite_recovered_logs:
             self._empty_mean_counts()
         out: list[Hit] = []
