@@ -185,6 +185,9 @@ def test_flat_and_zero_losses_and_grad_explosion():
     ("KL divergence for Module default_policy is non-finite, this will likely destabilize your model",
      "nonfinite-printout"),  # RLlib
     ("The local object store is full of objects that are still in scope and cannot be evicted.", "backend-oom"),  # Ray
+    ("RuntimeError: Invalid buffer size: 12.28 GB", "backend-oom"),  # MPSAllocator: one buffer past the device's largest
+    ("I0703 17:12:48.364184 30876 solver.cpp:204]     Train net output #2: loss3/loss3 = 87.3365 (* 1 = 87.3365 loss)",
+     "nonfinite-loss"),  # Caffe's softmax loss clamped at -ln(FLT_MIN)
 ])
 def test_word_signals_of_every_backend(line, signal):
     # Wordings from the libraries' own sources (caching allocator, MPS allocator, XLA, MLX, NVRM, Ray,
@@ -840,6 +843,36 @@ def test_a_relaunchs_first_loss_before_its_epoch_bar_belongs_to_the_new_run():
     # BasicSR's l_pix and a paper's L_total are losses; l_rate is not.
     from finetune_mcp.triage.parse import key_kind
     assert key_kind("l_pix") == key_kind("L_total") == "loss" and key_kind("l_rate") is None
+
+
+def test_a_bare_kill_after_the_loss_went_nan_for_good_is_the_divergence_it_ended():
+    nan_from = RULES.nonfinite_recovered_logs
+    steps = "".join(f"step:{s}/20000 train_loss:{3.1 - s / 1000:.4f}\n" for s in range(50, 1200, 50))
+    nans = "".join(f"step:{s}/20000 train_loss:nan\n" for s in range(1200, 1200 + 50 * nan_from, 50))
+    kill = ("E0328 20:09:39.233000 858 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: -9) "
+            "local_rank: 3 (pid: 929) of binary: /usr/local/bin/python\n")
+    r = classify_text(steps + nans + kill)
+    assert r.failure_class == "divergence" and "sigkill-in-log" in r.signals
+    assert r.metrics["loss_nonfinite_at_end"] == nan_from
+    # A NaN the run logged finite losses after, or too short a NaN run, leaves the kill the verdict.
+    back = "".join(f"step:{s}/20000 train_loss:2.9\n" for s in range(1400, 1600, 50))
+    assert classify_text(steps + nans + back + kill).failure_class == "oom"
+    assert classify_text(steps + nans.split("\n")[0] + "\n" + kill).failure_class == ("oom" if nan_from > 1 else "divergence")
+    # An allocator's own error beside the kill is memory, whatever the numbers.
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    assert classify_text(steps + nans + oom + kill).failure_class == "oom"
+
+
+def test_a_key_after_a_closed_bracket_and_a_one_letter_loss():
+    line = "[ep 0 step   180 t=    345s vram= 5904MB] L=0.2934  D=0.2827  PSNR= 5.49  R=0.8200 bpp"
+    assert parse_text(line, KEYS)[0].named == {"loss:l": 0.2934}
+    # The index head is still read off first: `Epoch[1] done. Loss: 0.512` is the loss.
+    assert parse_text("2026-06-15 20:54:08 transreid.train INFO: Epoch[1] done. Loss: 0.512 (Base: 0.5), Lr: 1e-4", KEYS)[0].loss == 0.512
+
+
+def test_lines_end_without_every_carriage_return_python_on_windows_wrote():
+    from finetune_mcp.triage.parse import split_lines
+    assert split_lines("a\r\r\nb\r\nc\rd\n") == ["a", "b", "c\rd"]
 
 
 def test_a_window_recurring_at_the_same_steps_is_a_replay_at_later_steps_stuck_weights():

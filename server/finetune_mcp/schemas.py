@@ -438,6 +438,7 @@ class MetricsSeen(_Model):
     loss_last: float | None = None
     grad_norm_max: float | None = None
     loss_scale_last: float | None = None
+    loss_nonfinite_at_end: int = Field(0, description="training losses logged NaN/inf at the end, with no finite one after")
 
 
 class TriageResult(Result):

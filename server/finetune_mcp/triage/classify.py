@@ -106,6 +106,12 @@ def _metrics_summary(f: Findings) -> dict:
     grads = [m.grad_norm for m in f.metrics if m.grad_norm is not None and math.isfinite(m.grad_norm)]
     scales = [m.loss_scale for m in f.metrics if m.loss_scale is not None and math.isfinite(m.loss_scale)]
     out: dict = {"records": len(f.metrics), "losses": sum(m.loss is not None for m in f.metrics)}
+    tail = 0
+    for m in f.metrics:
+        if m.loss is not None:
+            tail = 0 if math.isfinite(m.loss) else tail + 1
+    if tail:
+        out["loss_nonfinite_at_end"] = tail
     if losses:
         out.update(loss_first=losses[0], loss_min=min(losses), loss_last=losses[-1])
     if grads:
@@ -210,6 +216,14 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         # Never silent on a failure: the exception type picks a class, weakly.
         fallback = fallback_rule(comp, f.exception, f.markers, f.traceback_cut, f.tail)
         scores[fallback.failure_class] = comp.table.fallback_priority
+    nan_end = summary.get("loss_nonfinite_at_end", 0)
+    if ("oom" in scores and "divergence" in scores and _kill_only(by_class["oom"]) and f.table is not None
+            and nan_end >= max(1, f.table.records.nonfinite_recovered_logs) and scores["oom"] >= scores["divergence"]):
+        # A bare kill (no allocator error, no OOM-killer record) after the loss had been NaN/inf for its last logs
+        # ended a run that had already diverged: a user's kill -9, a watchdog, or torchrun tearing its ranks down.
+        scores["oom"] = scores["divergence"] - 1
+        dropped_note += (f" The kill came after the loss was NaN/inf for its last {nan_end} logs, with no finite one "
+                         f"after: it ended a run that had already diverged, so the numbers decide.")
     if stopped:
         scores.setdefault("none", _score(stopped))
     if not scores:

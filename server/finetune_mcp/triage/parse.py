@@ -201,7 +201,7 @@ def key_kind(key: str) -> str | None:
         return "reward"
     if any(t == "losses" or t.endswith("loss") or t in _LOSS_NAMES for t in toks) or (
             "crossentropy" in toks or "cross" in toks and "entropy" in toks) or (  # MXNet's Train-cross-entropy
-            toks[0] == "l" and len(toks) > 1 and toks[1] not in ("r", "rate")):  # BasicSR's l_pix, a paper's L_total
+            toks[0] == "l" and (len(toks) == 1 or toks[1] not in ("r", "rate"))):  # `L=0.34 D=0.33`, BasicSR's l_pix, L_total
         if "scale" in toks or "scaler" in toks:
             return "loss_scale"
         return "eval_loss" if any(t in ("eval", "val", "valid", "validation", "test", "dev") for t in toks) else "loss"
@@ -473,12 +473,14 @@ INDEX_HEAD = re.compile(r"^(?:[A-Za-z]+\s?\[\d+(?:/\d+)?\]\s*)+")
 def pair_key(key: str) -> str:
     """A key as the pair reader found it, without the index head before it: `Epoch[1] Iteration[50/186] Loss`
     -> `Loss`, and after one, the last sentence of what is left (`Epoch[2] done. Loss` -> `Loss`)."""
-    if "[" not in key:
+    if "]" not in key:
         return key
-    bare = INDEX_HEAD.sub("", key)
-    if bare == key or not bare:
-        return key
-    return bare.rsplit(". ", 1)[-1]
+    bare = INDEX_HEAD.sub("", key) if "[" in key else key
+    if bare != key and bare:
+        return bare.rsplit(". ", 1)[-1]
+    if "] " in key and (after := key.rsplit("] ", 1)[1].strip()):
+        return after  # a bracket closed before the name: `[ep 0 step 0 t= 5s vram= 5790MB] L=0.3462` -> `L`
+    return key
 
 
 _NUMBER_CELL = re.compile(r"(?:^|[|│\t])\s*[-+]?\.?\d")
@@ -817,8 +819,9 @@ def decode_log(data: bytes) -> str:
 
 
 def split_lines(text: str) -> list[str]:
-    """Lines as editors and grep -n number them: split on \\n only (tqdm redraws with bare \\r inside a line)."""
+    """Lines as editors and grep -n number them: split on \\n only (tqdm redraws with bare \\r inside a line), without
+    the carriage returns that end them (Python on Windows writing "\\r\\n" through a text-mode file ends a line "\\r\\r\\n")."""
     out = text.split("\n")
     if out and out[-1] == "":
         out.pop()
-    return [ln[:-1] if ln.endswith("\r") else ln for ln in out]
+    return [ln.rstrip("\r") if ln.endswith("\r") else ln for ln in out]

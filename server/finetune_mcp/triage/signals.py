@@ -758,6 +758,7 @@ class NumberRules:
         # CSV's epoch-0 row, written after evaluating the untrained model); held here, it counts unless
         # nonfinite_recovered_logs finite losses follow and no other NaN.
         self.held: Metric | None = None  # a record without an epoch waiting for the next one (see feed)
+        self.nan_tail = 0  # training losses logged NaN/inf since the last finite one
         self.empty_mean: Metric | None = None
         self.empty_after = 0
         # Lines of the records that logged a non-finite grad norm (to tell a word hit on those very lines, which
@@ -911,6 +912,7 @@ class NumberRules:
         if m.loss is not None:
             losses.append(("loss", m.loss))
             self.losses += 1
+            self.nan_tail = 0 if math.isfinite(m.loss) else self.nan_tail + 1
         if m.eval_loss is not None and not math.isfinite(m.eval_loss):
             self._bad(m, "eval loss")
         if m.grad_norm is not None:
@@ -1121,6 +1123,8 @@ class NumberRules:
 
     def summary(self) -> dict:
         out: dict = {"records": self.records, "losses": self.losses}
+        if self.nan_tail:
+            out["loss_nonfinite_at_end"] = self.nan_tail
         if self.loss_first is not None:
             out.update(loss_first=self.loss_first, loss_min=self.loss_min, loss_last=self.loss_last)
         if self.grad_norm_max is not None:
