@@ -272,6 +272,10 @@ def test_a_loggers_error_level_line_the_log_ends_on_is_a_failure():
         f = find(records + last + "\n")
         assert f.failed and f.markers[-1][1] == last, last
         assert classify_text(records + last + "\n").failure_class != "none", last
+    # Behind another logger's prefix (a collector's INFO before the program's ERROR), with or without its colours.
+    stacked = "2025-04-25 12:51:19,625 - finetune - ERROR - 加载模型失败: No package metadata was found for bitsandbytes"
+    for outer in ("2024-05-01 12:00:07,123 - root - INFO - ", "^[[32m", "\x1b[32m"):
+        assert find(records + outer + stacked + "\n").failed, outer
     # Look-alikes: wandb's retries put no delimiter after the level, and a run that logs on past an ERROR went on.
     assert not find(records + "wandb: ERROR Error while calling W&B API: context deadline exceeded\n").failed
     assert not find("2024-01-01 10:00:00 ERROR loader: retrying shard 3\n" + records).failed

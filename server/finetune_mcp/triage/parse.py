@@ -164,6 +164,22 @@ def clean_line(line: str) -> str:
     return _after_prefix(line, pos) if pos else line
 
 
+def prefix_layers(line: str, most: int = 3) -> list[str]:
+    """The line without colour escapes, then after each of its first `most` prefixes (a collector's logger before the
+    program's own: `... - root - INFO - 2025-04-25 12:47:57,941 - finetune - ERROR - ...`), for what a prefix itself
+    says (its level)."""
+    if "\x1b" in line or "^[" in line:
+        line = _ANSI.sub("", line)
+    out, pos = [line], 0
+    for _ in range(most):
+        m = _PREFIX.match(line, pos)
+        if m is None or m.end() == pos:
+            break
+        pos = m.end()
+        out.append(line[pos:].lstrip(" \t"))
+    return out
+
+
 _PREFIXES_AT_START = re.compile(r"(?m)^(?:" + _PREFIX.pattern.replace(r"\s*(?:", r"[ \t]*(?:", 1) + r")+[ \t]?")
 
 

@@ -22,7 +22,7 @@ import yaml
 from finetune_mcp.common.errors import BadInput, NotFound
 from finetune_mcp.skilltables import LEVEL_WORDS
 from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, clean_line, clean_lines, code_lines, decode_log, is_setting, pair_key,
-                                      line_metrics, log_encoding, normalise_key, parse_records, parse_text, same_record,
+                                      line_metrics, prefix_layers, log_encoding, normalise_key, parse_records, parse_text, same_record,
                                       split_lines, to_number)
 
 SKILL = "dgx-spark-ops"
@@ -290,7 +290,8 @@ class Log:
             last = start
             end = raw.find("\n", start)
             text = raw[start:end if end >= 0 else len(raw)]
-            if any(p.match(text) for p in comp.levels):
+            # The level of a logger behind another's prefix counts as well (a collector's INFO before the program's ERROR).
+            if any(p.match(t) for t in (text, *prefix_layers(text)) for p in comp.levels):
                 out.add(line)
         return out
 
@@ -754,13 +755,13 @@ class NumberRules:
         self.r = comp.table.records
         self.nonfinite: list[Metric] = []
         self.nonfinite_names: dict[str, int] = {}
+        self.held: Metric | None = None  # a record without an epoch waiting for the next one (see feed)
+        self.nan_tail = 0  # training losses logged NaN/inf since the last finite one
         # A NaN training loss on the log's first record, at epoch or step 0, is a mean over no steps yet (a metrics
         # CSV's epoch-0 row, written after evaluating the untrained model); held here, it counts unless
         # nonfinite_recovered_logs finite losses follow and no other NaN.
-        self.held: Metric | None = None  # a record without an epoch waiting for the next one (see feed)
-        self.nan_tail = 0  # training losses logged NaN/inf since the last finite one
         self.empty_mean: Metric | None = None
-        self.empty_after = 0
+        self.empty_after = 0  # finite training losses logged since
         # Lines of the records that logged a non-finite grad norm (to tell a word hit on those very lines, which
         # a skipped fp16 step explains, from a framework's own NaN check); None once past MAX_TRANSIENT_LINES.
         self.grad_bad_lines: set[int] | None = set()
@@ -873,7 +874,6 @@ class NumberRules:
         if held is not None:
             if m.epoch is not None and math.isfinite(m.epoch) and m.epoch < self.epoch_max / 2:
                 self._restart()
-                self.epoch_max = None
             self._feed(held)
         self._feed(m)
 
