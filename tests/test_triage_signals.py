@@ -832,6 +832,10 @@ def test_a_long_curve_that_ends_above_its_start_by_rise_abs_rose_whatever_the_ra
     switched = [round(2.14 + noise.uniform(-0.05, 0.05), 4) for i in range(n)]
     switched += [round(2.14 + gap * 0.9 + noise.uniform(-0.05, 0.05), 4) for i in range(n)]
     assert _ids(_losses(switched)) == []
+    # A loss that starts where no cross-entropy does is on another scale: an RL trader's MSE 62 -> 46 -> 67 is noise.
+    mse = [round(v * 10, 3) for v in worse]
+    assert mse[0] > RULES.rise_abs_first_max and mse[-1] < RULES.rise_factor * min(mse)
+    assert _ids(_losses(mse)) == []
     # A reinforcement-learning trainer's loss follows its returns: rl_rise_factor only.
     assert "loss-rise" not in _ids([Metric(i + 1, "x", step=i + 1, loss=v, rl=True) for i, v in enumerate(worse)])
 
@@ -877,6 +881,26 @@ def test_a_key_after_a_closed_bracket_and_a_one_letter_loss():
 def test_lines_end_without_every_carriage_return_python_on_windows_wrote():
     from finetune_mcp.triage.parse import split_lines
     assert split_lines("a\r\r\nb\r\nc\rd\n") == ["a", "b", "c\rd"]
+
+
+def test_a_later_notebook_cells_error_after_training_finished_is_not_the_trainings():
+    bars = "".join(f"Epoch {e}/5\n536/536 [==============================] - 2s 4ms/step - loss: {0.6 - e / 20:.4f} - "
+                   f"accuracy: 0.85 - val_loss: 0.37 - val_accuracy: 0.84\n" for e in range(1, 6))
+    cell = ("\x1b[0;31mKeyError\x1b[0m                                  Traceback (most recent call last)\n"
+            "\x1b[0;32m<ipython-input-9-95de25879312>\x1b[0m in \x1b[0;36m<module>\x1b[0;34m\x1b[0m\n"
+            "\x1b[0;32m----> 1\x1b[0;31m \x1b[0mplt\x1b[0m\x1b[0;34m.\x1b[0m\x1b[0mplot\x1b[0m\x1b[0;34m(\x1b[0m\x1b[0mhistory\x1b[0m\x1b[0;34m[\x1b[0m\x1b[0;34m'acc'\x1b[0m\x1b[0;34m]\x1b[0m\x1b[0;34m)\x1b[0m\n"
+            "\n\x1b[0;31mKeyError\x1b[0m: 'acc'\n")
+    r = classify_text(bars + cell)
+    assert r.failure_class == "none" and r.runner_up.failure_class == "environment"
+    assert any("536/536" in t for _, t in r.evidence) and any("KeyError" in t for _, t in r.evidence)
+    # ipykernel 6 names the cell's code by a file, IPython 8 by `Cell In[12]`.
+    for frame in ("/tmp/ipykernel_451042/622961601.py in <module>", "Cell In[12], line 1"):
+        assert classify_text(bars + cell.replace("\x1b[0;32m<ipython-input-9-95de25879312>\x1b[0m", frame)).failure_class == "none"
+    # The same error from a script, or in a cell while the last epoch had not finished, is a failure.
+    script = 'Traceback (most recent call last):\n  File "train.py", line 40, in <module>\n    plt.plot(history["acc"])\nKeyError: \'acc\'\n'
+    assert classify_text(bars + script).failure_class == "environment"
+    cut = bars.rsplit("536/536", 1)[0]
+    assert classify_text(cut + cell).failure_class == "environment"
 
 
 def test_a_window_recurring_at_the_same_steps_is_a_replay_at_later_steps_stuck_weights():

@@ -380,6 +380,8 @@ class RecordRules(Strict):
     rl_rise_factor: float = Field(20.0, gt=1, description="rise_factor for a reinforcement-learning trainer's losses, which follow its returns")
     rise_abs: float = Field(0.0, ge=0, description="a long curve whose held level ends above its first value and this "
                             "much above its lowest is a divergence too, whatever the ratio (0: never)")
+    rise_abs_first_max: float = Field(15.0, gt=0, description="... for a curve whose first value is at most this (a "
+                                      "cross-entropy, counted in nats)")
     rise_min_history: int = Field(ge=1, description="losses needed before the minimum counts")
     rise_back_to: float = Field(gt=0, description="and the last loss is at least this fraction of the first: it climbed back, not a converged run's noise")
     flat_identical_run: int = Field(ge=2)

@@ -52,10 +52,22 @@ def last_bar_done(log: "Log") -> int | None:
     return None if last is None else log.line_of(last.start()) + log.first_line
 
 
-def last_finished(log: "Log", comp: "Compiled") -> int | None:
-    """The line number (1-based, in the whole log) of the last line where a trainer said training ran to its end."""
+# Keras' fit: the header of its last epoch (`Epoch 100/100`), then that epoch's bar drawn to its total (`536/536 [====`).
+_KERAS_LAST_EPOCH = re.compile(r"^[ \t]*Epoch (\d+)/\1[ \t]*$", re.M)
+_KERAS_BAR_DONE = re.compile(r"^\s*(\d+)/\1 \[=+\]")
+
+
+def last_finished(log: "Log", comp: "Compiled") -> tuple[int, str] | None:
+    """The last line where a trainer said training ran to its end (its number, 1-based in the whole log, and its
+    text): a finished marker, or the bar of Keras' last epoch drawn to its total within two lines of that epoch's header."""
     found = [i for p in comp.finished if log.may_match(p, comp) for i in log.scan(p)]
-    return max(found) + log.first_line if found else None
+    if "Epoch " in log.text:
+        for i in log.scan(_KERAS_LAST_EPOCH):
+            found += [k for k in (i + 1, i + 2) if k < len(log.clean) and _KERAS_BAR_DONE.match(log.clean[k])][:1]
+    if not found:
+        return None
+    i = max(found)
+    return i + log.first_line, log.lines[i]
 
 
 @dataclass
@@ -370,7 +382,8 @@ class Findings:
     threads: Threads = field(default_factory=Threads)
     bar_done: int | None = None  # the last line where a progress bar reached its total
     transient: list[Hit] = field(default_factory=list)  # NaN grad norms of steps the fp16 scaler skipped: set aside
-    finished_at: int | None = None  # the last line where a trainer said training ran to its end
+    finished: tuple[int, str] | None = None  # the last line where a trainer said training ran to its end: (number, text)
+    cell_frame_at: int | None = None  # the line of the last frame of a notebook cell's traceback (`<ipython-input-9-...>`)
     last_traceback_at: int | None = None  # the line of the log's last "Traceback (most recent call last)"
 
     def _records_after(self, line: int) -> bool:
@@ -382,6 +395,10 @@ class Findings:
         """A trainer said training ran to its end after `line` (HF's "Training completed", Lightning's
         "`Trainer.fit` stopped: `max_epochs=3` reached", fairseq's "done training in")."""
         return bool(line and self.finished_at and self.finished_at > line)
+
+    @property
+    def finished_at(self) -> int | None:
+        return self.finished[0] if self.finished else None
 
     def outlived(self, hit: Hit) -> bool:
         """The run logged went_on_records metric records after the hit's last line, or finished training
@@ -729,9 +746,10 @@ class _Series:
         if low_v > 0 and last_v >= factor * low_v and last_v >= r.rise_back_to * self.first:
             return low_m, low_v, self.last, last_v
         # A long curve whose held level ends above where it started and rise_abs above its lowest level: a
-        # cross-entropy is a log, so a language model's 4.8 -> 7.8 nats (1.6x) is a perplexity 20x higher.
+        # cross-entropy is a log, so a language model's 4.8 -> 7.8 nats (1.6x) is a perplexity 20x higher. Only a
+        # curve that starts where a cross-entropy can (rise_abs_first_max) is read in nats: an MSE of 60 is not.
         if (r.rise_abs and not self.rl and self.count >= r.rise_smooth_after and low_v > 0 and last_v >= self.first
-                and last_v - low_v >= r.rise_abs):
+                and last_v - low_v >= r.rise_abs and self.first <= r.rise_abs_first_max):
             return low_m, low_v, self.last, last_v
         return None
 
@@ -1232,6 +1250,19 @@ def last_traceback(log: Log) -> int | None:
     return None if pos < 0 else log.line_of(pos) + log.first_line
 
 
+# A frame of IPython's traceback of a notebook cell: `<ipython-input-9-95de...>` (IPython 7), `/tmp/ipykernel_451042/
+# 622961601.py` (ipykernel 6 names a cell's code so), `Cell In[12], line 3` (8), `Input In [5]` (8.0-8.4).
+_IPYTHON_CELL = re.compile(r"<ipython-input-\d+-[0-9a-f]+>|/ipykernel_\d+/\d+\.py\b|\bCell In\s?\[\d+\]|\bInput In \[\d+\]")
+
+
+def last_cell_frame(log: Log) -> int | None:
+    """The line (1-based, in the whole log) of the last frame of a notebook cell's traceback."""
+    if not any(w in log.text for w in ("ipython-input-", "ipykernel_", "In [", "In[")):
+        return None
+    found = log.scan(_IPYTHON_CELL)
+    return max(found) + log.first_line if found else None
+
+
 def traceback_cut(head: int | None, exception: tuple[int, str] | None) -> bool:
     """The last traceback header (`head`) has no exception line after it: the excerpt stops inside the traceback."""
     return head is not None and (exception is None or exception[0] < head)
@@ -1295,7 +1326,8 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
             marked |= set(log.scan(m))
     marked |= log.level_lines(comp)
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
-    finished_at = last_finished(log, comp)
+    finished = last_finished(log, comp)
+    cell_frame = last_cell_frame(log)
     exc = last_exception(log)
     head = last_traceback(log)
     threads = Threads()
@@ -1307,7 +1339,8 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
-                    threads=threads, bar_done=bar_done, transient=transient, finished_at=finished_at, last_traceback_at=head)
+                    threads=threads, bar_done=bar_done, transient=transient, finished=finished, last_traceback_at=head,
+                    cell_frame_at=cell_frame)
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -1342,7 +1375,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     record_lines: deque[int] = deque(maxlen=comp.table.records.went_on_records or 1)
     threads = Threads()
     bar_done: int | None = None
-    finished_at: int | None = None
+    finished: tuple[int, str] | None = None
+    cell_frame: int | None = None
     prev: Metric | None = None
     first_line = 1
     tail: list[str] = []
@@ -1376,7 +1410,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             head = last_traceback(log) or head
             threads.feed(log)
             bar_done = last_bar_done(log) or bar_done
-            finished_at = last_finished(log, comp) or finished_at
+            finished = last_finished(log, comp) or finished
+            cell_frame = last_cell_frame(log) or cell_frame
             tail_metrics = []
             for m in chunk_metrics:
                 if prev is not None and same_record(prev, m):
@@ -1400,7 +1435,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), tail_metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
-                    transient=transient, finished_at=finished_at, last_traceback_at=head)
+                    transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame)
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
