@@ -896,6 +896,9 @@ def test_a_later_notebook_cells_error_after_training_finished_is_not_the_trainin
     # ipykernel 6 names the cell's code by a file, IPython 8 by `Cell In[12]`.
     for frame in ("/tmp/ipykernel_451042/622961601.py in <module>", "Cell In[12], line 1"):
         assert classify_text(bars + cell.replace("\x1b[0;32m<ipython-input-9-95de25879312>\x1b[0m", frame)).failure_class == "none"
+    # srun --label's task number before every line (the cleaner keeps it before a number: `0: 536/536 [====`).
+    labelled = "".join(f"0: {line}\n" for line in (bars + cell).splitlines())
+    assert classify_text(labelled).failure_class == "none"
     # The same error from a script, or in a cell while the last epoch had not finished, is a failure.
     script = 'Traceback (most recent call last):\n  File "train.py", line 40, in <module>\n    plt.plot(history["acc"])\nKeyError: \'acc\'\n'
     assert classify_text(bars + script).failure_class == "environment"

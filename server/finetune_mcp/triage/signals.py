@@ -52,9 +52,10 @@ def last_bar_done(log: "Log") -> int | None:
     return None if last is None else log.line_of(last.start()) + log.first_line
 
 
-# Keras' fit: the header of its last epoch (`Epoch 100/100`), then that epoch's bar drawn to its total (`536/536 [====`).
+# Keras' fit: the header of its last epoch (`Epoch 100/100`), then that epoch's bar drawn to its total (`536/536 [====`;
+# the cleaner leaves srun's task label before a number, `0: 536/536 [====`).
 _KERAS_LAST_EPOCH = re.compile(r"^[ \t]*Epoch (\d+)/\1[ \t]*$", re.M)
-_KERAS_BAR_DONE = re.compile(r"^\s*(\d+)/\1 \[=+\]")
+_KERAS_BAR_DONE = re.compile(r"^\s*(?:\d{1,4}:\s+)?(\d+)/\1 \[=+\]")
 
 
 def last_finished(log: "Log", comp: "Compiled") -> tuple[int, str] | None:
