@@ -303,8 +303,9 @@ class Log:
             last = start
             end = raw.find("\n", start)
             text = raw[start:end if end >= 0 else len(raw)]
-            # The level of a logger behind another's prefix counts as well (a collector's INFO before the program's ERROR).
-            if any(p.match(t) for t in (text, *prefix_layers(text)) for p in comp.levels):
+            # The line, and the line after each logger prefix before it: the level of a logger behind another's prefix
+            # counts as well (a collector's INFO before the program's ERROR).
+            if any(p.match(t) for t in prefix_layers(text) for p in comp.levels):
                 out.add(line)
         return out
 
