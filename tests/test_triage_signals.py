@@ -1030,6 +1030,26 @@ def _tb(*frames_and_exception: str) -> str:
     return steps + "Traceback (most recent call last):\n" + "\n".join(frames_and_exception) + "\n"
 
 
+def test_a_job_that_died_saving_the_model_reads_by_its_exception_with_the_curve_runner_up():
+    # A run whose loss only jumped (a detection term from 0.001, as in environment--b13gd-005) and whose job then died in
+    # torch.save: the save decides, by the exception's type, and the curve is the runner-up. The same curve before a
+    # crash that is not a save keeps reading divergence, and so does a NaN loss before a save (a value, not a shape).
+    steps = "".join(f"Epoch 0 iter {i} loss {v}\n" for i, v in enumerate([0.0011, 0.0012, 0.0010, 0.0011, 0.0900, 0.0950, 0.0870,
+                                                                          0.0910, 0.0890, 0.0930, 0.0880, 0.0900]))
+    save = ('  File "main2.py", line 122, in train', "    torch.save(model.state_dict(), os.path.join(root, 'pkl/model.pth'))",
+            '  File "/usr/lib/python3.10/site-packages/torch/serialization.py", line 627, in save',
+            "    with _open_zipfile_writer(f) as opened_zipfile:",
+            "RuntimeError: Parent directory /data/ai_data/pkl does not exist.")
+    r = classify_text(steps + "Traceback (most recent call last):\n" + "\n".join(save) + "\n")
+    assert (r.failure_class, r.runner_up.failure_class) == ("environment", "divergence")
+    assert "while saving the model" in r.reason and "loss-spike" in r.signals
+    other = ('  File "main2.py", line 98, in train', "    evaluate(model, loader)", "RuntimeError: Parent directory /data/ai_data/pkl does not exist.")
+    assert classify_text(steps + "Traceback (most recent call last):\n" + "\n".join(other) + "\n").failure_class == "divergence"
+    nan = steps.replace("loss 0.088\n", "loss nan\n")
+    assert "loss nan" in nan
+    assert classify_text(nan + "Traceback (most recent call last):\n" + "\n".join(save) + "\n").failure_class == "divergence"
+
+
 def test_the_fallback_reads_a_zero_division_by_where_it_happened_and_a_code_error_by_its_type():
     scaler = _tb('  File "train.py", line 90, in <module>', "    optimizer.step()",
                  '  File "/usr/lib/python3/site-packages/apex/fp16_utils/fp16_optimizer.py", line 38, in _check_overflow',
@@ -1045,6 +1065,13 @@ def test_the_fallback_reads_a_zero_division_by_where_it_happened_and_a_code_erro
               "OverflowError: math range error")
     assert classify_text(exp).failure_class == "divergence"
     assert classify_text(_tb("OverflowError: Python int too large to convert to C long")).failure_class == "environment"
+    # The finite-input checks, in the plural and spelled out: numpy's asarray_chkfinite (numpy/lib/_function_base_impl.py,
+    # which scipy.linalg calls) and scikit-learn's _assert_all_finite (sklearn/utils/validation.py), met when a metric or
+    # an SVD gets the model's NaN outputs.
+    for last in ("ValueError: array must not contain infs or NaNs",
+                 "ValueError: Input y_pred contains infinity or a value too large for dtype('float32')."):
+        r = classify_text(_tb('  File "eval.py", line 40, in fid', "    covmean, _ = linalg.sqrtm(sigma1.dot(sigma2), disp=False)", last))
+        assert (r.failure_class, r.signals[0]) == ("divergence", "fallback-numbers"), last
 
 
 @pytest.mark.parametrize("tail, cls", [

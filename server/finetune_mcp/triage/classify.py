@@ -171,6 +171,22 @@ def _memory_note(memory: dict | None, table) -> tuple[str, bool]:
 _LAUNCHER_ECHO = re.compile(r"ChildFailedError|CalledProcessError|ProcessExitedException|ProcessRaisedException")
 
 
+# The curve rules: a shape of the logged losses, not a value that cannot be a loss (NaN/inf, a loss scale at its floor).
+_CURVE_RULES = frozenset({"loss-spike", "loss-rise", "flat-loss", "loss-magnitude", "kl-blowup", "grad-norm-explosion"})
+# A traceback's frames (its innermost lines, signals.TAIL_LINES) in a call that writes the model or a checkpoint:
+# `torch.save(...)`, `save_checkpoint(...)`, `model.save_pretrained(...)`, a frame `in save` / `in _save_checkpoint`.
+_SAVE_FRAMES = re.compile(r"\b(?:torch\.save|save_pretrained|save_model|save_checkpoint|save_weights|save_state)\s*\(|, in _?save\w*\s*$",
+                          re.M)
+
+
+def _failed_saving(f: Findings, hits: list[Hit]) -> bool:
+    """The job ended on an exception raised while saving the model (its traceback's frames are a save call), and the
+    divergence found rests only on the curve's shape: what ended the job is the save, and the curve is the runner-up."""
+    return (bool(hits) and f.failed and f.exception is not None and not f.traceback_cut
+            and all(h.signal.records_rule in _CURVE_RULES for h in hits)
+            and bool(_SAVE_FRAMES.search("\n".join(f.tail))))
+
+
 def _failed_after_stop(f: Findings, stop: Hit) -> bool:
     """A stop the log went on past is not how it ends: a traceback of its own began more than stop_echo_lines after
     the Ctrl-C (a notebook's later cell failed). One sooner is the stop's echo - DataLoader workers and shutdown
@@ -226,6 +242,17 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
                          f"after: it ended a run that had already diverged, so the numbers decide.")
     if stopped:
         scores.setdefault("none", _score(stopped))
+    saving = None
+    if "divergence" in scores and _failed_saving(f, by_class.get("divergence", [])) and max(scores.values()) == scores["divergence"]:
+        # The run trained to its end and the job then died writing the model: the exception decides (by its type,
+        # as for a failure no signal names), and the curve's shape is the runner-up.
+        saving = fallback_rule(comp, f.exception, f.markers, f.traceback_cut, f.tail)
+        if saving.failure_class != "divergence":
+            scores[saving.failure_class] = max(scores.get(saving.failure_class, 0), scores["divergence"] + 1)
+            fallback = saving
+            dropped_note += (f" The job ended on an exception raised while saving the model (line {f.exception[0]}), after "
+                             f"the logged curve; the curve's shape ({', '.join(sorted({h.id for h in by_class['divergence']}))}) "
+                             f"is the runner-up.")
     if not scores:
         return _healthy(f, by_class.get("none", []), summary, dropped_note)
 
