@@ -331,6 +331,15 @@ def test_a_reinforcement_learning_loss_must_rise_further():
     assert "loss-rise" in curve(RULES.rl_rise_factor * 1.1, rl=True)
 
 
+def test_a_policy_or_value_loss_marks_a_record_as_reinforcement_learning_without_a_reward():
+    # A PPO loop printing `ploss=... vloss=...` beside its reward as `r=` (a key no rule reads): the value loss follows
+    # the returns, so rl_rise_factor applies (dev batch 19's self-play curriculum: vloss 9.6 -> 50.8, healthy).
+    vloss = [60.0, 30.0, 12.0, 9.6, 11.0, 10.5, 12.0, 50.8]
+    rl = "".join(f"  [{i:4d}] ep={i * 10}  r= {10 + i:5.1f} ploss=-0.0083 vloss= {v:6.1f} ent=1.143\n" for i, v in enumerate(vloss))
+    assert "loss-rise" not in classify_text(rl).signals
+    assert "loss-rise" in classify_text(rl.replace(" ploss=-0.0083 vloss=", " loss=")).signals
+
+
 def test_loss_scale_halving_step_after_step_once_settled():
     n, settled = RULES.scale_halving_run, RULES.scale_settled_logs
     held = [65536.0] * (settled + 1)

@@ -244,6 +244,18 @@ _LOSS_NAMES = frozenset({"nll", "bce", "xent", "ctc", "bpd", "cost"})
 # value loss tracks the returns, which grow as the policy improves, so a rise must reach rl_rise_factor, and a
 # signed surrogate (a policy-gradient loss around 0) has no spikes or rise (signals.NumberRules.signed).
 _REWARD_WORDS = frozenset({"reward", "rewards", "rew", "return", "returns", "eprewmean"})
+# A policy-gradient or value loss marks a reinforcement-learning trainer's record as a reward does, when the record
+# names no reward (`ploss=-0.0083 vloss=   11.3 ent=1.143`, SB3's train/value_loss, CleanRL's losses/value_loss).
+_RL_LOSS_WORDS = frozenset({"vloss", "ploss", "pgloss"})
+_RL_LOSS_BEFORE = frozenset({"value", "policy", "pg", "vf", "actor"})
+
+
+def _rl_loss(key: str) -> bool:
+    toks = key.split()
+    return any(t in _RL_LOSS_WORDS for t in toks) or any(
+        a in _RL_LOSS_BEFORE and b in ("loss", "losses") for a, b in zip(toks, toks[1:]))
+
+
 _SETTING_FIRST = {"max", "min", "clip", "init", "initial", "target", "use", "enable"}
 _SETTING_WORDS = {"clipping", "threshold", "coef", "coeff", "weight", "lr", "time", "ms", "sec", "window", "factor", "power"}
 
@@ -426,6 +438,8 @@ def _assign(m: Metric, keys: KeyMap, key: str, value: Any) -> bool:
         num = to_number(value)
         if num is None or (num == math.inf and name.partition(":")[2].startswith(("best ", "lowest "))):
             return False  # a best-so-far tracker starts at +inf before any loss was computed
+        if name.startswith("loss:") and _rl_loss(name[5:]):
+            m.rl = True
         m.named.setdefault(name, num)
         return True
     if getattr(m, name) is not None:
