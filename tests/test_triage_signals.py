@@ -335,7 +335,8 @@ def test_a_policy_or_value_loss_marks_a_record_as_reinforcement_learning_without
     # A PPO loop printing `ploss=... vloss=...` beside its reward as `r=` (a key no rule reads): the value loss follows
     # the returns, so rl_rise_factor applies (dev batch 19's self-play curriculum: vloss 9.6 -> 50.8, healthy).
     vloss = [60.0, 30.0, 12.0, 9.6, 11.0, 10.5, 12.0, 50.8]
-    rl = "".join(f"  [{i:4d}] ep={i * 10}  r= {10 + i:5.1f} ploss=-0.0083 vloss= {v:6.1f} ent=1.143\n" for i, v in enumerate(vloss))
+    rl = "".join(f"  [{i:4d}] ep={i * 10}  r= {10 + i:5.1f} ploss=-0.0083 vloss= {v:6.1f} ent=1.143\n"
+                 for i, v in enumerate(vloss))
     assert "loss-rise" not in classify_text(rl).signals
     assert "loss-rise" in classify_text(rl.replace(" ploss=-0.0083 vloss=", " loss=")).signals
 
@@ -1043,20 +1044,23 @@ def test_a_job_that_died_saving_the_model_reads_by_its_exception_with_the_curve_
     # A run whose loss only jumped (a detection term from 0.001, as in environment--b13gd-005) and whose job then died in
     # torch.save: the save decides, by the exception's type, and the curve is the runner-up. The same curve before a
     # crash that is not a save keeps reading divergence, and so does a NaN loss before a save (a value, not a shape).
-    steps = "".join(f"Epoch 0 iter {i} loss {v}\n" for i, v in enumerate([0.0011, 0.0012, 0.0010, 0.0011, 0.0900, 0.0950, 0.0870,
-                                                                          0.0910, 0.0890, 0.0930, 0.0880, 0.0900]))
-    save = ('  File "main2.py", line 122, in train', "    torch.save(model.state_dict(), os.path.join(root, 'pkl/model.pth'))",
+    losses = [0.0011, 0.0012, 0.0010, 0.0011, 0.0900, 0.0950, 0.0870, 0.0910, 0.0890, 0.0930, 0.0880, 0.0900]
+    steps = "".join(f"Epoch 0 iter {i} loss {v}\n" for i, v in enumerate(losses))
+    save = ('  File "main2.py", line 122, in train',
+            "    torch.save(model.state_dict(), os.path.join(root, 'pkl/model.pth'))",
             '  File "/usr/lib/python3.10/site-packages/torch/serialization.py", line 627, in save',
             "    with _open_zipfile_writer(f) as opened_zipfile:",
             "RuntimeError: Parent directory /data/ai_data/pkl does not exist.")
-    r = classify_text(steps + "Traceback (most recent call last):\n" + "\n".join(save) + "\n")
+    tb = "Traceback (most recent call last):\n"
+    r = classify_text(steps + tb + "\n".join(save) + "\n")
     assert (r.failure_class, r.runner_up.failure_class) == ("environment", "divergence")
     assert "while saving the model" in r.reason and "loss-spike" in r.signals
-    other = ('  File "main2.py", line 98, in train', "    evaluate(model, loader)", "RuntimeError: Parent directory /data/ai_data/pkl does not exist.")
-    assert classify_text(steps + "Traceback (most recent call last):\n" + "\n".join(other) + "\n").failure_class == "divergence"
+    other = ('  File "main2.py", line 98, in train', "    evaluate(model, loader)",
+             "RuntimeError: Parent directory /data/ai_data/pkl does not exist.")
+    assert classify_text(steps + tb + "\n".join(other) + "\n").failure_class == "divergence"
     nan = steps.replace("loss 0.088\n", "loss nan\n")
     assert "loss nan" in nan
-    assert classify_text(nan + "Traceback (most recent call last):\n" + "\n".join(save) + "\n").failure_class == "divergence"
+    assert classify_text(nan + tb + "\n".join(save) + "\n").failure_class == "divergence"
 
 
 def test_the_fallback_reads_a_zero_division_by_where_it_happened_and_a_code_error_by_its_type():
@@ -1079,7 +1083,7 @@ def test_the_fallback_reads_a_zero_division_by_where_it_happened_and_a_code_erro
     # an SVD gets the model's NaN outputs.
     for last in ("ValueError: array must not contain infs or NaNs",
                  "ValueError: Input y_pred contains infinity or a value too large for dtype('float32')."):
-        r = classify_text(_tb('  File "eval.py", line 40, in fid', "    covmean, _ = linalg.sqrtm(sigma1.dot(sigma2), disp=False)", last))
+        r = classify_text(_tb('  File "eval.py", line 40, in fid', "    covmean, _ = linalg.sqrtm(sigma1.dot(sigma2))", last))
         assert (r.failure_class, r.signals[0]) == ("divergence", "fallback-numbers"), last
 
 

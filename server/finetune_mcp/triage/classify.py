@@ -175,8 +175,8 @@ _LAUNCHER_ECHO = re.compile(r"ChildFailedError|CalledProcessError|ProcessExitedE
 _CURVE_RULES = frozenset({"loss-spike", "loss-rise", "flat-loss", "loss-magnitude", "kl-blowup", "grad-norm-explosion"})
 # A traceback's frames (its innermost lines, signals.TAIL_LINES) in a call that writes the model or a checkpoint:
 # `torch.save(...)`, `save_checkpoint(...)`, `model.save_pretrained(...)`, a frame `in save` / `in _save_checkpoint`.
-_SAVE_FRAMES = re.compile(r"\b(?:torch\.save|save_pretrained|save_model|save_checkpoint|save_weights|save_state)\s*\(|, in _?save\w*\s*$",
-                          re.M)
+_SAVE_FRAMES = re.compile(r"\b(?:torch\.save|save_pretrained|save_model|save_checkpoint|save_weights|save_state)\s*\("
+                          r"|, in _?save\w*\s*$", re.M)
 
 
 def _failed_saving(f: Findings, hits: list[Hit]) -> bool:
@@ -242,17 +242,17 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
                          f"after: it ended a run that had already diverged, so the numbers decide.")
     if stopped:
         scores.setdefault("none", _score(stopped))
-    saving = None
-    if "divergence" in scores and _failed_saving(f, by_class.get("divergence", [])) and max(scores.values()) == scores["divergence"]:
-        # The run trained to its end and the job then died writing the model: the exception decides (by its type,
-        # as for a failure no signal names), and the curve's shape is the runner-up.
+    top = max(scores.values(), default=0)
+    if scores.get("divergence") == top and _failed_saving(f, by_class.get("divergence", [])):
+        # The job died writing the model: the exception decides (by its type, as for a failure no signal names), and
+        # the curve's shape is the runner-up.
         saving = fallback_rule(comp, f.exception, f.markers, f.traceback_cut, f.tail)
         if saving.failure_class != "divergence":
             scores[saving.failure_class] = max(scores.get(saving.failure_class, 0), scores["divergence"] + 1)
             fallback = saving
-            dropped_note += (f" The job ended on an exception raised while saving the model (line {f.exception[0]}), after "
-                             f"the logged curve; the curve's shape ({', '.join(sorted({h.id for h in by_class['divergence']}))}) "
-                             f"is the runner-up.")
+            shape = ", ".join(sorted({h.id for h in by_class["divergence"]}))
+            dropped_note += (f" The job ended on an exception raised while saving the model (line {f.exception[0]}), "
+                             f"after the logged curve; the curve's shape ({shape}) is the runner-up.")
     if not scores:
         return _healthy(f, by_class.get("none", []), summary, dropped_note)
 

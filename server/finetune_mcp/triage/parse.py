@@ -250,6 +250,7 @@ _RL_LOSS_WORDS = frozenset({"vloss", "ploss", "pgloss"})
 _RL_LOSS_BEFORE = frozenset({"value", "policy", "pg", "vf", "actor"})
 
 
+@lru_cache(maxsize=4096)
 def _rl_loss(key: str) -> bool:
     toks = key.split()
     return any(t in _RL_LOSS_WORDS for t in toks) or any(
