@@ -408,6 +408,30 @@ def test_a_big_logs_logger_error_lines_are_read_in_its_last_whole_bytes(tmp_path
     assert not S.find_file(path).failed and not S.find_file(path).markers
 
 
+def test_a_loggers_error_line_the_program_printed_well_past_is_not_how_the_log_ends(tmp_path, monkeypatch):
+    # A Colab session (dev batch 19, rc-001) trains, then its serving experiment logs ngrok's ERROR lines and goes on:
+    # it answers requests and zips its checkpoints, printing no record. went_on_lines lines after a logger's error line
+    # (every failure line a level line, no traceback) is the program going on; fewer, or a traceback, still fail.
+    import finetune_mcp.triage.signals as S
+
+    err = ('ERROR:pyngrok.process.ngrok:t=2024-12-16T12:52:10+0000 lvl=eror msg="session closing" '
+           'err="authentication failed: Usage of ngrok requires a verified account and authtoken."\n')
+    after = "".join(f"  adding: results/checkpoint-{i}/optimizer.pt (deflated 8%)\n" for i in range(RULES.went_on_lines))
+    went = find(err + after)
+    assert not went.failed and classify_text(err + after).failure_class == "none"
+    assert "went on past the error" in classify_text(err + after).reason
+    short = err + after[: after.index("\n", len(after) // 2) + 1]
+    assert find(short).failed and classify_text(short).failure_class == "environment"
+    tb = 'Traceback (most recent call last):\n  File "serve.py", line 9, in <module>\nRuntimeError: tunnel closed\n'
+    assert find(tb + after).failed  # a traceback ends the program whatever is printed after it (another process)
+    path = tmp_path / "session.log"
+    path.write_text("warm-up line\n" * 50 + err + after)
+    monkeypatch.setattr(S, "WHOLE_BYTES", len(err + after) + 100)  # streamed, the error line within the last WHOLE_BYTES
+    monkeypatch.setattr(S, "CHUNK_BYTES", 97)
+    streamed = S.find_file(path)
+    assert (streamed.level_only, streamed.lines_after, streamed.failed) == (True, RULES.went_on_lines, False)
+
+
 def test_a_best_so_far_sentinel_is_no_nan_loss_but_a_nan_beside_it_is():
     # icefall prints best_train_loss: inf before any loss exists (dev case none-healthy-icefall-params-best-loss-inf).
     assert "nonfinite-loss" not in [h.id for h in find("{'best_train_loss': inf, 'best_valid_loss': inf, 'log_interval': 50}\n").hits]

@@ -387,6 +387,8 @@ class Findings:
     finished: tuple[int, str] | None = None  # the last line where a trainer said training ran to its end: (number, text)
     cell_frame_at: int | None = None  # the line of the last frame of a notebook cell's traceback (`<ipython-input-9-...>`)
     last_traceback_at: int | None = None  # the line of the log's last "Traceback (most recent call last)"
+    level_only: bool = False  # every failure line is a logger's level line (ERROR/FATAL/CRITICAL): no other marker
+    lines_after: int = 0  # lines the log printed after its last failure line
 
     def _records_after(self, line: int) -> bool:
         """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
@@ -416,6 +418,10 @@ class Findings:
         last = max(([self.exception[0]] if self.exception else []) + [n for n, _ in self.markers], default=0)
         if last and self.bar_done and self.bar_done > last:
             return True  # a loop ran to its total after the error
+        lines = self.table.records.went_on_lines if self.table is not None else 0
+        if (lines and self.level_only and self.exception is None and self.last_traceback_at is None
+                and self.lines_after >= lines):
+            return True  # a logger's error line the program printed on well past
         return self._records_after(last) or self._finished_after(last)
 
     @property
@@ -1326,7 +1332,9 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     for m in comp.markers:
         if log.may_match(m, comp):
             marked |= set(log.scan(m))
-    marked |= log.level_lines(comp)
+    level = log.level_lines(comp)
+    level_only = bool(level) and level >= marked
+    marked |= level
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
     finished = last_finished(log, comp)
     cell_frame = last_cell_frame(log)
@@ -1342,7 +1350,8 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
                     threads=threads, bar_done=bar_done, transient=transient, finished=finished, last_traceback_at=head,
-                    cell_frame_at=cell_frame)
+                    cell_frame_at=cell_frame, level_only=level_only,
+                    lines_after=len(log.lines) - 1 - max(marked) if marked else 0)
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -1382,6 +1391,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     prev: Metric | None = None
     first_line = 1
     tail: list[str] = []
+    other_marked = level_marked = False  # a failure line that is not a logger's level line / one that is
+    last_marked = 0
     with open(path, "rb") as fh:
         decoder = codecs.getincrementaldecoder(log_encoding(fh.read(4096)))(errors="replace")
         fh.seek(0)
@@ -1406,7 +1417,14 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 if log.may_match(m, comp):
                     marked |= set(log.scan(m))
             if fh.tell() >= size - WHOLE_BYTES:  # a logger's error line 8 MB before the end is one the run logged past
-                marked |= log.level_lines(comp)
+                level = log.level_lines(comp)
+                other_marked = other_marked or bool(marked - level)
+                level_marked = level_marked or bool(level)
+                marked |= level
+            else:
+                other_marked = other_marked or bool(marked)
+            if marked:
+                last_marked = max(marked) + first_line
             markers = _ends(markers + [(i + first_line, log.lines[i]) for i in sorted(marked)])
             exc = last_exception(log) or exc
             head = last_traceback(log) or head
@@ -1437,7 +1455,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), tail_metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
-                    transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame)
+                    transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame,
+                    level_only=level_marked and not other_marked, lines_after=first_line - 1 - last_marked if last_marked else 0)
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
