@@ -388,7 +388,7 @@ class Findings:
     cell_frame_at: int | None = None  # the line of the last frame of a notebook cell's traceback (`<ipython-input-9-...>`)
     last_traceback_at: int | None = None  # the line of the log's last "Traceback (most recent call last)"
     level_only: bool = False  # every failure line is a logger's level line (ERROR/FATAL/CRITICAL): no other marker
-    lines_after: int = 0  # lines the log printed after its last failure line
+    line_count: int = 0  # the lines of the whole log
 
     def _records_after(self, line: int) -> bool:
         """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
@@ -403,6 +403,11 @@ class Findings:
     @property
     def finished_at(self) -> int | None:
         return self.finished[0] if self.finished else None
+
+    @property
+    def lines_after(self) -> int:
+        """Lines the log printed after its last failure line (markers keep the last ones)."""
+        return self.line_count - max(n for n, _ in self.markers) if self.markers else 0
 
     def outlived(self, hit: Hit) -> bool:
         """The run logged went_on_records metric records after the hit's last line, or finished training
@@ -1350,8 +1355,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
                     threads=threads, bar_done=bar_done, transient=transient, finished=finished, last_traceback_at=head,
-                    cell_frame_at=cell_frame, level_only=level_only,
-                    lines_after=len(log.lines) - 1 - max(marked) if marked else 0)
+                    cell_frame_at=cell_frame, level_only=level_only, line_count=len(log.lines))
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -1392,7 +1396,6 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     first_line = 1
     tail: list[str] = []
     other_marked = level_marked = False  # a failure line that is not a logger's level line / one that is
-    last_marked = 0
     with open(path, "rb") as fh:
         decoder = codecs.getincrementaldecoder(log_encoding(fh.read(4096)))(errors="replace")
         fh.seek(0)
@@ -1423,8 +1426,6 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 marked |= level
             else:
                 other_marked = other_marked or bool(marked)
-            if marked:
-                last_marked = max(marked) + first_line
             markers = _ends(markers + [(i + first_line, log.lines[i]) for i in sorted(marked)])
             exc = last_exception(log) or exc
             head = last_traceback(log) or head
@@ -1456,7 +1457,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     return Findings(list(by_id.values()), tail_metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
                     transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame,
-                    level_only=level_marked and not other_marked, lines_after=first_line - 1 - last_marked if last_marked else 0)
+                    level_only=level_marked and not other_marked, line_count=first_line - 1)
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
