@@ -208,6 +208,17 @@ def test_deepspeed_loss_scale_cuts_and_status_lines():
     assert (step.step, step.lr, step.loss_scale) == (40.0, 5e-05, None)
     apex = _one(_lines("divergence-loss-scale-collapse-apex.log")[1])
     assert apex.loss_scale == pytest.approx(8.165126103939127e-202) and apex.scale_cut
+    # ColossalAI's dynamic grad scaler after an overflow (colossalai/amp/naive_amp/grad_scaler/dynamic_grad_scaler.py).
+    colossal = parse_line(Metric(1, "x"), KEYS, "Overflow occurs, the loss scale is adjusted to 1.0")
+    assert (colossal.loss_scale, colossal.scale_cut) == (1.0, True)
+
+
+def test_a_go_panics_set_literal_is_no_record():
+    # wandb's Go core panicking prints its arguments as nested braces, which Python reads as a set of sets
+    # (TypeError in literal_eval): no record, and no crash (dev batch 20, environment--dev20ta-006).
+    line = "github.com/wandb/wandb/core/internal/stream.NewStream({{0x55fd14767620, 0x28}, 0xc00012a798, 0xc0000ac538, {0xc00005b800, 0x3c}, 0x0, 0xc00013f000})"
+    assert parse_text(line + "\n", KEYS) == []
+    assert parse_text("{{1, 2}, {3}}\n" + "{'loss': 0.5, 'epoch': 1.0}\n", KEYS)[0].loss == 0.5
 
 
 def test_keys_outside_the_table_are_ignored():

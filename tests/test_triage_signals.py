@@ -482,6 +482,28 @@ def test_gan_losses_trading_places_are_the_game_but_their_nan_is_not():
     assert "nonfinite-loss" in _ids([Metric(1, "x", named={"loss:g loss": 0.3}), Metric(2, "x", named={"loss:g loss": float("nan")})])
 
 
+def test_a_gan_whose_discriminator_went_to_zero_while_its_generator_climbed():
+    # "D loss goes to 0: failure mode" (ganhacks #10): the discriminator's loss falls from about 0.5 to under
+    # game_d_zero while the generator's loss climbs game_g_rise times; each side alone is the game.
+    w, zero, rise = RULES.game_window, RULES.game_d_zero, RULES.game_g_rise
+
+    def game(d_values, g_values):
+        return [Metric(i + 1, "x", named={"loss:d loss": d, "loss:g loss": g}) for i, (d, g) in enumerate(zip(d_values, g_values))]
+
+    d_won = [0.5] * w + [zero / 3] * w
+    g_up = [2.0] * w + [2.0 * rise * 1.5] * w
+    assert "discriminator-won" in _ids(game(d_won, g_up))
+    assert "discriminator-won" not in _ids(game(d_won, [2.0] * w + [2.0 * rise * 0.8] * w))  # the generator held on
+    assert "discriminator-won" not in _ids(game([zero * 2] * w + [zero / 3] * w, g_up))  # D near 0 from its start
+    assert "discriminator-won" not in _ids(game(d_won, g_up)[: 2 * w - 1])  # too few values to judge a window
+    # A WGAN critic's loss goes negative: a value near 0 there is no win.
+    assert "discriminator-won" not in _ids(game([0.5] * w + [-zero / 3, zero / 3] * (w // 2), g_up))
+    # A restart (the epoch went back) judges the finished run's game as it stood.
+    ended = [Metric(i + 1, "x", epoch=float(1 + i), named=m.named) for i, m in enumerate(game(d_won, g_up))]
+    again = [Metric(100 + i, "x", epoch=1.0, named={"loss:d loss": 0.5, "loss:g loss": 2.0}) for i in range(3)]
+    assert "discriminator-won" in _ids(ended + again)
+
+
 def test_out_of_memory_words_and_the_advice_that_only_mentions_them():
     assert "out-of-memory-words" in _find_ids("ERROR: Out of GPU memory while running the step\n")
     assert "out-of-memory-words" in _find_ids("worker 3: OOM\n")

@@ -299,7 +299,8 @@ class SignalCheck(Strict):
 
 
 RecordsRule = Literal["nonfinite-loss", "nonfinite-grad-norm", "nonfinite-metric", "loss-zero-grad-nan", "loss-spike", "loss-rise",
-                      "loss-magnitude", "kl-blowup", "grad-norm-explosion", "loss-scale-collapse", "loss-scale-halving", "flat-loss"]
+                      "loss-magnitude", "kl-blowup", "grad-norm-explosion", "loss-scale-collapse", "loss-scale-halving", "flat-loss",
+                      "discriminator-won"]
 FailureClass = Literal["environment", "divergence", "oom", "none"]
 
 
@@ -411,6 +412,12 @@ class RecordRules(Strict):
     kl_max: float = Field(1.0, gt=0, description="a logged KL at or above this, after small ones, is a policy collapse")
     kl_rise_factor: float = Field(20.0, gt=1, description="the KL before it was at most kl_max / this")
     adversarial_words: list[str] = Field(default_factory=list, description="words of a loss key that is one side of a GAN's game: no rise/spike rule")
+    discriminator_words: list[str] = Field(default_factory=list, description="... of those, the words of the discriminator's side "
+                                           "(the others name the generator's)")
+    game_window: int = Field(10, ge=2, description="discriminator-won compares the median of each side's first and last this many values")
+    game_d_zero: float = Field(0.01, gt=0, description="a discriminator loss whose last values' median is this or less (after a "
+                               "first median at least 10x it) has won the game")
+    game_g_rise: float = Field(2.5, gt=1, description="... while a generator loss's last median is this many times its first")
     nonfinite_ignore: list[str] = Field(default_factory=list, description="words of a metric key whose NaN is not the run's numbers (means over nothing yet, counts, timers)")
     nonfinite_recovered_logs: int = Field(0, ge=0, description="a metric printed finite this many times after its last NaN/inf had a transient, not a divergence (0: never)")
 

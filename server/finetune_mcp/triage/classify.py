@@ -172,7 +172,8 @@ _LAUNCHER_ECHO = re.compile(r"ChildFailedError|CalledProcessError|ProcessExitedE
 
 
 # The curve rules: a shape of the logged losses, not a value that cannot be a loss (NaN/inf, a loss scale at its floor).
-_CURVE_RULES = frozenset({"loss-spike", "loss-rise", "flat-loss", "loss-magnitude", "kl-blowup", "grad-norm-explosion"})
+_CURVE_RULES = frozenset({"loss-spike", "loss-rise", "flat-loss", "loss-magnitude", "kl-blowup", "grad-norm-explosion",
+                          "discriminator-won"})
 # A traceback's frames (its innermost lines, signals.TAIL_LINES) in a call that writes the model or a checkpoint:
 # `torch.save(...)`, `save_checkpoint(...)`, `model.save_pretrained(...)`, a frame `in save` / `in _save_checkpoint`.
 _SAVE_FRAMES = re.compile(r"\b(?:torch\.save|save_pretrained|save_model|save_checkpoint|save_weights|save_state)\s*\("

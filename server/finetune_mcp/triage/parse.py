@@ -46,8 +46,9 @@ _COUNTED_STEP = re.compile(r"\b(?:step|iter|iteration|batch)\s*[:=]?\s*\[?\s*(\d
 # prints as `-nan` or `nan`.
 _DARKNET = re.compile(r"^\s*(\d+): (" + _NUM_C + r"), (" + _NUM_C + r") avg(?: loss)?, (" + _NUM_C + r") rate,", re.I)
 # DeepSpeed "Attempted loss scale: 16, reducing to 8", "Reducing dynamic loss scale from 2 to 1", apex
-# "reducing loss scale to 0.5": the scale after the cut.
-_SCALE_CUT = re.compile(r"(?:reducing to|reducing loss scale to|dynamic loss scale from \S+ to)\s+(" + _NUM + r")", re.I)
+# "reducing loss scale to 0.5", ColossalAI "Overflow occurs, the loss scale is adjusted to 1.0": the scale after the cut.
+_SCALE_CUT = re.compile(r"(?:reducing to|reducing loss scale to|dynamic loss scale from \S+ to|Overflow occurs, the loss scale is adjusted to)\s+("
+                        + _NUM + r")", re.I)
 _NONFINITE = re.compile(r"(?<![\w'\"])(-?(?:nan|inf(?:inity)?))(?![\w'\"])", re.I)
 # A printout of settings, not a measurement: DeepSpeed's and Megatron's `key ........ value` listings and
 # an options table's `key: value [default: x]`. (A pretty-printed JSON line is not one: the same shape holds
@@ -420,7 +421,8 @@ def _load_object(text: str) -> dict | None:
         # Python reprs: single quotes, nan/inf as bare words, which literal_eval cannot read as numbers.
         try:
             obj = ast.literal_eval(_NONFINITE.sub(lambda m: repr(m.group(1)), text))
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            # TypeError: a set of sets, as a Go panic's argument list prints (`stream.NewStream({{0x55fd1476, 0x28}, ...})`).
             return None
     return obj if isinstance(obj, dict) else None
 
@@ -632,7 +634,7 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
             _from_pairs(m, keys, line[:brace])  # `Epoch 3: {'loss': 1.17}`: the index is printed before the dict
     if table is not None and table.feed(m, line):
         m.source = m.source or "table"
-    cut = _SCALE_CUT.search(line) if ("educ" in line or "EDUC" in line) else None
+    cut = _SCALE_CUT.search(line) if ("educ" in line or "EDUC" in line or "adjusted to" in line) else None
     if cut and m.loss_scale is None:
         m.loss_scale, m.scale_cut, m.source = to_number(cut.group(1)), True, m.source or "scale-cut"
     if not m.source and " rate," in line and (dn := _DARKNET.match(line)):

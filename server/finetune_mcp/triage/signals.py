@@ -221,6 +221,7 @@ class Compiled:
         self.cut_traceback = [(r, re.compile(r.match)) for r in table.cut_traceback]
         self.nonfinite_ignore = frozenset(table.records.nonfinite_ignore)
         self.adversarial = frozenset(table.records.adversarial_words)
+        self.discriminator = frozenset(table.records.discriminator_words)
         self.by_rule = {s.records_rule: s for s in table.signals if s.records_rule}
 
 
@@ -807,6 +808,8 @@ class NumberRules:
         self.big_max = 0.0
         self.huge: list[tuple[Metric, str, float]] = []
         self._adv: dict[str, bool] = {}
+        self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
+        self.game_over: tuple | None = None  # (discriminator, generator): the discriminator won (discriminator-won)
         # Named losses of a reinforcement-learning trainer's records (beside a reward) that printed a value below
         # 0: signed surrogates (a PPO policy-gradient loss, an entropy bonus) hovering around 0, whose ratios say
         # nothing, so they have no spikes and no rise. (Outside RL a named loss's negative values are skipped and
@@ -867,6 +870,9 @@ class NumberRules:
         self.still, self.still_lines = [], []
         self.last_losses.clear()
         self.points = set()
+        if self.game_over is None:
+            self.game_over = self._game_over()  # the old run's game is judged as it stood; a new run's starts afresh
+        self.game = {}
         if self.kl_blow is None:
             self.kl_low = None  # a new run's KL starts over too (a blow-up already seen keeps the KL it rose from)
         self.epoch_max = None
@@ -974,10 +980,15 @@ class NumberRules:
                     continue
                 self._empty_mean_counts()
                 self._bad(m, name)
+            elif self._adversarial(name):
+                side = self.game.get(name)  # its rises and spikes are the game (negative values too: a WGAN critic's)
+                if side is None:
+                    side = self.game[name] = _Side(name, self.r.game_window, bool(set(name.split()) & self.comp.discriminator))
+                side.feed(m, v)
             elif v < 0 and name != "loss":
                 if m.rl:
                     self.signed.add(name)
-            elif not self._adversarial(name):
+            else:
                 key = name if name != "loss" else m.loss_key or "loss"  # each key its own curve: 'loss', 'avg loss'
                 se = self.series.get(key)
                 if se is None:
@@ -1015,6 +1026,22 @@ class NumberRules:
             self.loss_last = m.loss
             self.loss_first = m.loss if self.loss_first is None else self.loss_first
             self.loss_min = m.loss if self.loss_min is None else min(self.loss_min, m.loss)
+
+    def _game_over(self):
+        """A GAN whose discriminator won: a discriminator loss (never negative at the end: a BCE or hinge, not a
+        WGAN critic) whose median over its last game_window values is game_d_zero or less after one over its first
+        game_window values of at least game_d_zero x 10, while a generator loss's median over its last values is
+        game_g_rise times its first values' median. The discriminator tells every fake from every real sample, and
+        the generator, which learns only from the discriminator's mistakes, has nothing left to learn from."""
+        r = self.r
+        done = [s for s in self.game.values() if s.count >= 2 * r.game_window]
+        for d in (s for s in done if s.discriminator and s.tail_min() >= 0):
+            if not (d.tail_median() <= r.game_d_zero and d.head_median() >= r.game_d_zero * 10):
+                continue
+            for g in (s for s in done if not s.discriminator):
+                if g.head_median() > 0 and g.tail_median() >= r.game_g_rise * g.head_median():
+                    return d, g
+        return None
 
     def _kl(self, m: Metric, name: str, v: float):
         r = self.r
@@ -1218,11 +1245,47 @@ class NumberRules:
             ms = self.halving_best
             add("loss-scale-halving", ms, f"the loss scale halved {len(ms)} logs in a row after it had settled "
                                           f"({_scale_of(ms[0]) * 2:g} down to {_scale_of(ms[-1]):g}): fp16 overflow at every step")
+        game = self.game_over or self._game_over()
+        if game:
+            d, g = game
+            add("discriminator-won", [d.tail[-1][0], g.head[0][0], g.tail[-1][0]],
+                f"{d.name} fell to {d.tail_median():.3g} (median of its last {len(d.tail)} values, from {d.head_median():.3g}) "
+                f"while {g.name} rose from {g.head_median():.3g} to {g.tail_median():.3g}")
         self._close_run()
         self._close_still()
         if self.flat:
             add("flat-loss", self.flat[0], self.flat[1])
         return out
+
+
+class _Side:
+    """One side of a GAN's game (a loss named with an adversarial word): its first and last game_window finite
+    values, and how many it logged."""
+
+    __slots__ = ("name", "discriminator", "head", "tail", "count", "window")
+
+    def __init__(self, name: str, window: int, discriminator: bool):
+        self.name, self.discriminator, self.window = name, discriminator, window
+        self.head: list[tuple[Metric, float]] = []
+        self.tail: deque[tuple[Metric, float]] = deque(maxlen=window)
+        self.count = 0
+
+    def feed(self, m: Metric, v: float):
+        if not math.isfinite(v):
+            return
+        self.count += 1
+        if len(self.head) < self.window:
+            self.head.append((m, v))
+        self.tail.append((m, v))
+
+    def head_median(self) -> float:
+        return _median([v for _, v in self.head])
+
+    def tail_median(self) -> float:
+        return _median([v for _, v in self.tail])
+
+    def tail_min(self) -> float:
+        return min(v for _, v in self.tail)
 
 
 # Lines of non-finite records remembered to set a transient's word hits aside; past this many, none are.
