@@ -377,7 +377,8 @@ def test_escapes_and_prefixes_do_not_hide_a_signal(name, prefix):
 
 
 @pytest.mark.parametrize("name", ["oom-nccl-timeout-after-rank-oom-swift.log", "none-healthy-torchtune-lora-multinode.log",
-                                  "divergence-dreamer-pytorch-named-losses-nan-table.log", "none-healthy-ray-train-result-table.log"])
+                                  "divergence-dreamer-pytorch-named-losses-nan-table.log", "none-healthy-ray-train-result-table.log",
+                                  "none--b17mb-002.log"])
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-16"])  # utf-16: as PowerShell's `python train.py > log` writes it
 def test_a_big_log_streamed_reads_as_the_whole_text_does(tmp_path, monkeypatch, name, encoding):
     import finetune_mcp.triage.signals as S
@@ -502,6 +503,81 @@ def test_a_gan_whose_discriminator_went_to_zero_while_its_generator_climbed():
     ended = [Metric(i + 1, "x", epoch=float(1 + i), named=m.named) for i, m in enumerate(game(d_won, g_up))]
     again = [Metric(100 + i, "x", epoch=1.0, named={"loss:d loss": 0.5, "loss:g loss": 2.0}) for i in range(3)]
     assert "discriminator-won" in _ids(ended + again)
+
+
+def test_nan_in_a_key_value_tables_row_counts_unless_its_key_is_a_mean_over_nothing_yet():
+    # OpenAI Baselines' and Stable-Baselines' logger prints `| key | value |` rows (retired blind batch 15, b15hb-004:
+    # a DDPG whose observation normaliser went NaN); its episode means are NaN until an episode ends.
+    assert "nonfinite-metric" in _find_ids("| obs_rms_mean            | nan       |\n| train/loss_critic       | 6.27e+03  |\n")
+    for key in ("ep_rewmean", "eplenmean", "rollout/ep_rew_mean"):
+        assert "nonfinite-metric" not in _find_ids(f"| {key}         | nan           |\n"), key
+    # A value printed finite after it, in the same kind of row, was a transient.
+    rows = "| value_loss | nan |\n" + "| value_loss | 0.5 |\n" * RULES.nonfinite_recovered_logs
+    assert "nonfinite-metric" not in _find_ids(rows)
+    # darknet's per-scale line says it averaged over no object: its NaNs are means over nothing.
+    assert "nonfinite-metric" not in _find_ids("Region 82 Avg IOU: -nan, Class: -nan, Obj: -nan, No Obj: 0.000004, .5R: -nan, .75R: -nan,  count: 0\n")
+    assert "nonfinite-metric" in _find_ids("Region 82 Avg IOU: 0.71, Class: 0.9, Obj: 0.5, No Obj: 0.004, .5R: -nan, .75R: 0.5,  count: 3\n")
+
+
+def test_a_zero_loss_beside_a_moving_reward_is_a_policy_gradient_not_a_stuck_run():
+    # A GRPO loss is 0 when every completion of a group scores alike; a DQN logs 0 until its replay memory fills
+    # (retired blind b15hc-003, b17ma-008). A reward stuck at one value, or a grad norm of exactly 0, is learning nothing.
+    n = RULES.zero_loss_run + 2
+    moving = [Metric(i + 1, "x", step=i + 1, loss=0.0, reward=float(i % 2)) for i in range(n)]
+    assert "flat-loss" not in _ids(moving)
+    assert "flat-loss" in _ids([Metric(i + 1, "x", step=i + 1, loss=0.0, reward=0.0) for i in range(n)])
+    assert "flat-loss" in _ids([Metric(i + 1, "x", step=i + 1, loss=0.0, grad_norm=0.0, reward=float(i % 2)) for i in range(n)])
+    assert parse_line(Metric(1, "x"), KEYS, "[Step 9/50] loss=-0.0000 reward_avg=0.000 avg_resp_len=405.5").reward == 0.0
+
+
+def test_an_end_of_training_summary_whose_mean_loss_is_exactly_zero():
+    # transformers' Trainer logs 0 for a step whose forward went NaN under fp16 (a T5): a run whose every step did
+    # reports training_loss=0.0 (retired blind b16jb-007). A resume past the last step trains nothing in no time.
+    done = "{'train_runtime': 314.0037, 'train_samples_per_second': 11.79, 'train_steps_per_second': 1.481, 'train_loss': 0.0, 'epoch': 3.0}\n"
+    assert "flat-loss" in _find_ids(done)
+    assert "flat-loss" not in _find_ids(done.replace("314.0037", "0.0123"))
+    assert "flat-loss" not in _find_ids(done.replace("'train_loss': 0.0", "'train_loss': 0.4128"))
+
+
+def test_a_record_line_printed_again_to_the_letter_is_read_once():
+    # Two writers on one file repeat its timestamped lines (retired blind b16ja-003): the recurring window of losses
+    # is a copy, not the weights standing still. Without a time of day, a repeated window is still read (a replay).
+    losses = [0.6806, 0.6688, 0.5647, 0.5493, 0.4926, 0.4217]
+    lines = [f"[2026-05-02 08:08:{30 + i:02d}] [Trainer] Epoch {110 + 10 * i:>7}  |  Loss: {v}" for i, v in enumerate(losses)]
+    text = "\n".join(lines + lines + ["[2026-05-02 08:09:00] [Trainer] Epoch     170  |  Loss: 0.3361"]) + "\n"
+    assert "flat-loss" not in _find_ids(text)
+    bare = [f"loss {v}" for v in losses]
+    assert "flat-loss" in _find_ids("\n".join(bare * 3) + "\n")
+
+
+def test_an_interrupt_before_the_trainer_reports_its_end_was_outlived():
+    # A notebook stops a generate() cell by hand, then trains to the end (retired blind b16jb-006): the stop is not how
+    # the session ends.
+    stop = 'Traceback (most recent call last):\n  File "<ipython-input-3>", line 1, in <module>\nKeyboardInterrupt: \n'
+    done = "TrainOutput(global_step=68, training_loss=2.402301283443675, metrics={'train_runtime': 2040.023, 'epoch': 1.0})\n"
+    assert classify_text(stop + done).healthy_or_unrecognised == "healthy"
+    assert classify_text(done + stop).healthy_or_unrecognised == "stopped"
+
+
+def test_a_reinforcement_learning_loss_that_grows_with_its_returns():
+    # A DQN's TD loss grows with the returns it predicts (retired blind b17ma-008: 0.1 -> 5-8 while the episode reward
+    # climbs 1 -> 100-300): no rise, no spike. The same loss beside a reward that did not grow still rises.
+    w = RULES.rise_window
+    grew = [Metric(i + 1, "x", step=i + 1, named={"loss:td loss": 0.1 if i < w else 8.0}, reward=1.0 if i < w else 200.0,
+                   rl=True) for i in range(3 * w)]
+    assert not {"loss-rise", "loss-spike"} & set(_ids(grew))
+    flat_reward = [Metric(i + 1, "x", step=i + 1, named={"loss:td loss": 0.1 if i < w else 8.0}, reward=1.0, rl=True)
+                   for i in range(3 * w)]
+    assert {"loss-rise", "loss-spike"} & set(_ids(flat_reward))
+
+
+def test_slurms_cgroup_clean_up_after_the_jobs_last_line_is_no_failure():
+    # slurmstepd failing to move a finished step out of its cgroup v2 (retired blind b17mb-002, a YOLOv8 run that ended).
+    done = "Results saved to runs/detect/train64\n"
+    cleanup = ("slurmstepd: error: common_file_write_uint32s: write pid 7193 to /sys/fs/cgroup/cgroup.procs failed: Device or resource busy\n"
+               "slurmstepd: error: Unable to move pid 7193 to init root cgroup /sys/fs/cgroup\n")
+    assert not find(done + cleanup).failed
+    assert find(done + "slurmstepd: error: *** JOB 14112198 ON gpu-91 CANCELLED AT 2020-12-09T05:28:17 ***\n").failed
 
 
 def test_out_of_memory_words_and_the_advice_that_only_mentions_them():

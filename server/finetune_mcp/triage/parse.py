@@ -282,6 +282,7 @@ class Metric:
     loss_key: str = ""  # the key the loss was logged under (normalised): 'loss' and 'avg loss' are two series
     seen_as: int | None = None  # hash of the line as the readers saw it (clean_line): a redraw repeats it under a new timestamp
     rl: bool = False  # the record also logs a reward or return: a reinforcement-learning trainer's (see key_kind)
+    reward: float | None = None  # ... and the first such value it logs
     acc_full: bool = False  # the record also logs an accuracy at its ceiling (100 or 1.0): the model fits what it is scored on
 
     def has(self, name: str) -> bool:
@@ -434,6 +435,8 @@ def _assign(m: Metric, keys: KeyMap, key: str, value: Any) -> bool:
     if ":" in name:
         if name.startswith("reward:"):
             m.rl = True
+            if m.reward is None:
+                m.reward = to_number(value)
             return False
         if name.startswith("acc:"):  # not a metric of its own: it only tells a fitted zero loss from a broken one
             m.acc_full = m.acc_full or to_number(value) in (1.0, 100.0)

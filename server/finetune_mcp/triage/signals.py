@@ -215,6 +215,7 @@ class Compiled:
         self.markers = [re.compile(p, re.M) for p in table.failure_markers]
         self.finished = [re.compile(p, re.M) for p in table.finished_markers]
         self.levels = [re.compile(p, re.M) for p in table.failure_levels]
+        self.benign = [re.compile(p) for p in table.benign_lines]
         self.literals = {p.pattern + str(p.flags): required_literals(p) for _, ps in self.line_signals for p in ps}
         self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers + self.finished})
         self.fallback = [(r, re.compile(r.match), re.compile(r.frames) if r.frames else None) for r in table.fallback]
@@ -479,9 +480,14 @@ def _positions(text: str, word: str) -> Iterator[int]:
 
 # key: nan / key=inf / 'key': -inf, the key up to four words (a tqdm postfix, a `key: value` print, a dict), or a
 # torch tensor printed whole (`loss: tensor(nan, device='cuda:0')`).
-_NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\[\]]*){0,3})['\"]?\s*[:=]\s*['\"]?"
+# A key and its value: `key: nan`, `key=nan`, or a key | value table's row (`| obs_rms_mean | nan |`, Stable-Baselines'
+# and OpenAI Baselines' logger).
+_NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\[\]]*){0,3})['\"]?\s*(?:[:=]|\s\|)\s*['\"]?"
                              r"(?:tensor\(\[{0,2})?(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
-_NONFINITE_WORD = re.compile(r"[:=]\s*['\"]?(?:tensor\(\[{0,2})?[-+]?(?:nan|inf)", re.I)
+_NONFINITE_WORD = re.compile(r"[:=|]\s*['\"]?(?:tensor\(\[{0,2})?[-+]?(?:nan|inf)", re.I)
+# A line that reports its own count as 0: its NaNs are means over nothing (darknet's `Region 82 Avg IOU: -nan, ...,
+# .5R: -nan, .75R: -nan,  count: 0` for a detection scale that saw no object in the batch).
+_EMPTY_COUNT = re.compile(r"\bcount:\s*0(?![\d.])", re.I)
 _EXCEPTION_NAME = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Warning)")
 # Slots NumberRules checks itself (a NaN loss is nonfinite-loss, not this rule's).
 _CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
@@ -497,7 +503,7 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
     candidates = sorted({log.line_of(m.start()) for m in _NONFINITE_WORD.finditer(log.text)})
     for i in candidates:
         clean = log.clean[i]
-        if is_setting(clean) or i in log.code:
+        if is_setting(clean) or i in log.code or _EMPTY_COUNT.search(clean):
             continue
         for m in _NONFINITE_PAIR.finditer(clean):
             printed = m.group("key")
@@ -527,7 +533,7 @@ def _recovered(log: Log, key: str, line: int, enough: int) -> bool:
     a transient, not the run's numbers going wrong."""
     if enough <= 0:
         return False
-    pat = re.compile(r"(?<![\w.])" + re.escape(key) + r"['\"]?\s*[:=]\s*['\"]?[-+]?\.?\d")
+    pat = re.compile(r"(?<![\w.])" + re.escape(key) + r"['\"]?\s*(?:[:=]|\s\|)\s*['\"]?[-+]?\.?\d")
     start = log.starts[line + 1] if line + 1 < len(log.starts) else len(log.text)
     count = 0
     for _ in pat.finditer(log.text, start):
@@ -689,9 +695,16 @@ class _Series:
         self.smooth_last: float | None = None
         self.smooth_at: tuple[float, Metric] | None = None
         self.smooth_tail: deque[float] = deque(maxlen=rules.rise_window)  # the last rolling medians
+        # The rewards logged beside this loss (a reinforcement-learning trainer's): its first and its latest rise_window.
+        self.rewards_first: list[float] = []
+        self.rewards_last: deque[float] = deque(maxlen=rules.rise_window)
 
     def feed(self, m: Metric, v: float):
         r = self.rules
+        if m.reward is not None and math.isfinite(m.reward):
+            if len(self.rewards_first) < r.rise_window:
+                self.rewards_first.append(m.reward)
+            self.rewards_last.append(m.reward)
         self._settle(v)
         if len(self.window) >= r.spike_min_history and v > r.spike_factor * min(self.window):
             med = _median(self.window)
@@ -730,6 +743,15 @@ class _Series:
             else:
                 still.append((m, med, age + 1, ratio))
         self.pending = still
+
+    def returns_grew(self) -> bool:
+        """A reinforcement-learning loss whose logged reward, by the median of its last rise_window values, ended
+        above the median of its first by at least as much as the first was from 0 (1 -> 2, -120 -> 0 or more, 0.1 ->
+        16): a value or TD loss scales with the returns it predicts, so its rise is the policy improving."""
+        if not self.rl or len(self.rewards_first) < self.rules.rise_window or self.count < 2 * self.rules.rise_window:
+            return False
+        first, last = _median(self.rewards_first), _median(self.rewards_last)
+        return last - first >= max(abs(first), 1e-9)
 
     def lasting_spikes(self) -> list[tuple[Metric, float]]:
         """The spikes that did not recover, and a spike the log ends on (nothing shows it recovered) unless this
@@ -810,6 +832,7 @@ class NumberRules:
         self._adv: dict[str, bool] = {}
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
         self.game_over: tuple | None = None  # (discriminator, generator): the discriminator won (discriminator-won)
+        self.printed: set[int] = set()  # hashes of the record lines with a time of day read so far (see feed)
         # Named losses of a reinforcement-learning trainer's records (beside a reward) that printed a value below
         # 0: signed surrogates (a PPO policy-gradient loss, an entropy bonus) hovering around 0, whose ratios say
         # nothing, so they have no spikes and no rise. (Outside RL a named loss's negative values are skipped and
@@ -899,9 +922,17 @@ class NumberRules:
                 self.nonfinite.append(m)
 
     def feed(self, m: Metric):
-        """One record. A record without an epoch in a run whose records carry one waits for the next record: if
+        """One record. A record line printed again to the letter, its time of day included, is a second writer's
+        copy (two handlers on one file, a tee), not a new record: it is read once.
+        A record without an epoch in a run whose records carry one waits for the next record: if
         that one starts a new run (its epoch went back), the record was the new run's first (a relaunch prints
         its first loss before the progress bar that names the epoch), not the old run's last."""
+        if _TIMESTAMP.search(m.text):
+            key = hash(m.text)
+            if key in self.printed:
+                return
+            if len(self.printed) < MAX_WINDOWS:
+                self.printed.add(key)
         held, self.held = self.held, None
         if m.epoch is None and m.run_end is None and self.epoch_max is not None:
             if held is not None:
@@ -922,6 +953,11 @@ class NumberRules:
             # or a KeyboardInterrupt (what a notebook logs next is a resumed run). A NaN in the summary still counts.
             if m.loss is not None and not math.isfinite(m.loss):
                 self._bad(m, "loss")
+            elif m.loss == 0 and m.run_end > 1 and self.flat is None and not m.rl:
+                # The run's mean training loss is exactly 0 (`TrainOutput(global_step=465, training_loss=0.0, ...)`):
+                # every step logged 0, as HF Trainer does for a forward pass that went NaN under fp16 (a T5). (A resume
+                # past the last step trains nothing and reports 0.0 too, in a train_runtime of a second or less.)
+                self.flat = ([m], "the run's mean training loss in its end-of-training summary is exactly 0: every step logged 0")
             self._restart()
             return
         if m.epoch is not None and math.isfinite(m.epoch):
@@ -1159,6 +1195,11 @@ class NumberRules:
                 return  # too short to be flat (most runs are one value long): nothing more to check
             if v == 0 and all(x.acc_full for x in self.run_vals):
                 return  # 'Acc: 100.0000, Loss: 0.0000': a model that fits its (few-shot) set, the loss rounded to 0
+            if v == 0 and _reward_moves(self.run_vals):
+                # A loss logged beside a reward that moves: a policy-gradient loss is 0 whenever the batch's advantages
+                # are (every completion of a GRPO group scored alike), and a DQN logs 0 until its replay memory is full.
+                # (A reward stuck at one value beside it, or a grad norm of exactly 0, is a policy learning nothing.)
+                return
             if _weights_move(self.run_vals) or (v != 0 and _significant_digits(v) < 3) or self._converged([v]):
                 # A loss printed rounded ('loss': 4.3, 'Train Loss: 0.0019') repeats while the weights move; a grad
                 # norm that moves beside it says so outright (a GRPO loss logs 0.0 while the policy learns).
@@ -1214,7 +1255,8 @@ class NumberRules:
         if not self._grad_transient():
             add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
-        every = [(se.name, se) for se in self.closed_series + list(self.series.values()) if se.name not in self.signed]
+        every = [(se.name, se) for se in self.closed_series + list(self.series.values())
+                 if se.name not in self.signed and not se.returns_grew()]
         spikes = [(name, sp) for name, se in every for sp in se.lasting_spikes()]
         if spikes:
             name, (m, med) = min(spikes, key=lambda x: x[1][0].line)
@@ -1256,6 +1298,16 @@ class NumberRules:
         if self.flat:
             add("flat-loss", self.flat[0], self.flat[1])
         return out
+
+
+def _reward_moves(run: list[Metric]) -> bool:
+    """The records log a reward that takes more than one value, and no grad norm of exactly 0."""
+    rewards = {m.reward for m in run if m.reward is not None and math.isfinite(m.reward)}
+    return len(rewards) > 1 and not any(m.grad_norm == 0 for m in run)
+
+
+# A time of day to the second (`08:08:30`): a record line that holds one and is printed again to the letter is a copy.
+_TIMESTAMP = re.compile(r"\b\d\d:\d\d:\d\d\b")
 
 
 class _Side:
@@ -1401,6 +1453,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         if log.may_match(m, comp):
             marked |= set(log.scan(m))
     level = log.level_lines(comp)
+    marked, level = _not_benign(log, comp, marked), _not_benign(log, comp, level)
     level_only = bool(level) and level >= marked
     marked |= level
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
@@ -1482,8 +1535,9 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             for m in comp.markers:
                 if log.may_match(m, comp):
                     marked |= set(log.scan(m))
+            marked = _not_benign(log, comp, marked)
             if fh.tell() >= size - WHOLE_BYTES:  # a logger's error line 8 MB before the end is one the run logged past
-                level = log.level_lines(comp)
+                level = _not_benign(log, comp, log.level_lines(comp))
                 other_marked = other_marked or bool(marked - level)
                 level_marked = level_marked or bool(level)
                 marked |= level
@@ -1521,6 +1575,13 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
                     transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame,
                     level_only=level_marked and not other_marked, line_count=first_line - 1)
+
+
+def _not_benign(log: Log, comp: Compiled, lines: set[int]) -> set[int]:
+    """The failure lines (0-based indexes) that are not a benign_lines line (a tool's message when nothing failed)."""
+    if not comp.benign:
+        return lines
+    return {i for i in lines if not any(b.search(log.clean[i]) for b in comp.benign)}
 
 
 def _ends(items: list, most: int = MAX_MARKERS) -> list:
