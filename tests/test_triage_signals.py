@@ -483,6 +483,16 @@ def test_gan_losses_trading_places_are_the_game_but_their_nan_is_not():
     assert "nonfinite-loss" in _ids([Metric(1, "x", named={"loss:g loss": 0.3}), Metric(2, "x", named={"loss:g loss": float("nan")})])
 
 
+def test_the_curve_rules_are_records_rules_of_the_table():
+    # classify reads a divergence that rests only on these as the curve's shape (a job that died saving the model).
+    from typing import get_args
+
+    from finetune_mcp.skilltables import CURVE_RULES, RecordsRule
+
+    table_rules = {s.records_rule for s in load_signal_table().signals if s.records_rule}
+    assert CURVE_RULES <= set(get_args(RecordsRule)) and CURVE_RULES <= table_rules
+
+
 def test_a_gan_whose_discriminator_went_to_zero_while_its_generator_climbed():
     # "D loss goes to 0: failure mode" (ganhacks #10): the discriminator's loss falls from about 0.5 to under
     # game_d_zero while the generator's loss climbs game_g_rise times; each side alone is the game.

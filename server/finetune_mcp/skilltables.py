@@ -301,6 +301,9 @@ class SignalCheck(Strict):
 RecordsRule = Literal["nonfinite-loss", "nonfinite-grad-norm", "nonfinite-metric", "loss-zero-grad-nan", "loss-spike", "loss-rise",
                       "loss-magnitude", "kl-blowup", "grad-norm-explosion", "loss-scale-collapse", "loss-scale-halving", "flat-loss",
                       "discriminator-won"]
+# The records rules that read the curve's shape, not a value that cannot be a loss (NaN/inf, a loss scale at its floor).
+CURVE_RULES = frozenset({"loss-spike", "loss-rise", "flat-loss", "loss-magnitude", "kl-blowup", "grad-norm-explosion",
+                         "discriminator-won"})
 FailureClass = Literal["environment", "divergence", "oom", "none"]
 
 

@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from finetune_mcp.skilltables import CURVE_RULES
 from finetune_mcp.triage.signals import Findings, Hit, compiled, fallback_rule, find, find_file, find_in_records
 
 FAILURE_CLASSES = ("environment", "divergence", "oom")
@@ -171,9 +172,6 @@ def _memory_note(memory: dict | None, table) -> tuple[str, bool]:
 _LAUNCHER_ECHO = re.compile(r"ChildFailedError|CalledProcessError|ProcessExitedException|ProcessRaisedException")
 
 
-# The curve rules: a shape of the logged losses, not a value that cannot be a loss (NaN/inf, a loss scale at its floor).
-_CURVE_RULES = frozenset({"loss-spike", "loss-rise", "flat-loss", "loss-magnitude", "kl-blowup", "grad-norm-explosion",
-                          "discriminator-won"})
 # A traceback's frames (its innermost lines, signals.TAIL_LINES) in a call that writes the model or a checkpoint:
 # `torch.save(...)`, `save_checkpoint(...)`, `model.save_pretrained(...)`, a frame `in save` / `in _save_checkpoint`.
 _SAVE_FRAMES = re.compile(r"\b(?:torch\.save|save_pretrained|save_model|save_checkpoint|save_weights|save_state)\s*\("
@@ -184,7 +182,7 @@ def _failed_saving(f: Findings, hits: list[Hit]) -> bool:
     """The job ended on an exception raised while saving the model (its traceback's frames are a save call), and the
     divergence found rests only on the curve's shape: what ended the job is the save, and the curve is the runner-up."""
     return (bool(hits) and f.failed and f.exception is not None and not f.traceback_cut
-            and all(h.signal.records_rule in _CURVE_RULES for h in hits)
+            and all(h.signal.records_rule in CURVE_RULES for h in hits)
             and bool(_SAVE_FRAMES.search("\n".join(f.tail))))
 
 

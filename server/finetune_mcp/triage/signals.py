@@ -832,7 +832,7 @@ class NumberRules:
         self._adv: dict[str, bool] = {}
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
         self.game_over: tuple | None = None  # (discriminator, generator): the discriminator won (discriminator-won)
-        self.printed: set[int] = set()  # hashes of the record lines with a time of day read so far (see feed)
+        self.printed: dict[int, None] = {}  # hashes of the latest PRINTED_RECENT record lines, oldest first (see feed)
         # Named losses of a reinforcement-learning trainer's records (beside a reward) that printed a value below
         # 0: signed surrogates (a PPO policy-gradient loss, an entropy bonus) hovering around 0, whose ratios say
         # nothing, so they have no spikes and no rise. (Outside RL a named loss's negative values are skipped and
@@ -927,12 +927,14 @@ class NumberRules:
         A record without an epoch in a run whose records carry one waits for the next record: if
         that one starts a new run (its epoch went back), the record was the new run's first (a relaunch prints
         its first loss before the progress bar that names the epoch), not the old run's last."""
-        if _TIMESTAMP.search(m.text):
-            key = hash(m.text)
-            if key in self.printed:
+        key = hash(m.text)  # (the hash first: a regex per record would cost a 100 MB log half a second)
+        if key in self.printed:
+            if _TIMESTAMP.search(m.text):
                 return
-            if len(self.printed) < MAX_WINDOWS:
-                self.printed.add(key)
+        else:
+            self.printed[key] = None
+            if len(self.printed) > PRINTED_RECENT:
+                del self.printed[next(iter(self.printed))]
         held, self.held = self.held, None
         if m.epoch is None and m.run_end is None and self.epoch_max is not None:
             if held is not None:
@@ -1306,8 +1308,10 @@ def _reward_moves(run: list[Metric]) -> bool:
     return len(rewards) > 1 and not any(m.grad_norm == 0 for m in run)
 
 
-# A time of day to the second (`08:08:30`): a record line that holds one and is printed again to the letter is a copy.
+# A time of day to the second (`08:08:30`): a record line that holds one and is printed again to the letter, among the
+# latest PRINTED_RECENT records, is a copy.
 _TIMESTAMP = re.compile(r"\b\d\d:\d\d:\d\d\b")
+PRINTED_RECENT = 1000
 
 
 class _Side:
