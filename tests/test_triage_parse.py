@@ -221,6 +221,26 @@ def test_a_go_panics_set_literal_is_no_record():
     assert parse_text("{{1, 2}, {3}}\n" + "{'loss': 0.5, 'epoch': 1.0}\n", KEYS)[0].loss == 0.5
 
 
+def test_an_evaluation_loops_records_are_evaluation_losses():
+    # pytorch/examples' ImageNet progress lines (retired blind b19qb-001): a training step's `Epoch: [77][180/250]`, a
+    # test step's `Test: [10/242]`; the meters printed on lines of their own belong to the loop above them.
+    text = ("Epoch: [77][180/250]\tTime 1.170 (1.163)\tLoss 0.5166 (0.4326)\ncos_sim_loss  0.047 (0.051)\n"
+            "Test: [0/242]\tTime 0.608 (0.608)\tLoss 3.6813 (3.6813)\ncos_sim_loss  1.169 (1.169)\n"
+            "Epoch: [78][0/250]\tTime 1.2 (1.2)\tLoss 0.51 (0.51)\ncos_sim_loss  0.049 (0.049)\n")
+    ms = parse_text(text, KEYS)
+    assert [(m.loss, m.eval_loss) for m in ms if m.loss or m.eval_loss] == [(0.5166, None), (None, 3.6813), (0.51, None)]
+    assert [m.named for m in ms if m.named] == [{"loss:cos sim loss": 0.047}, {"eval_loss:cos sim loss": 1.169},
+                                                 {"loss:cos sim loss": 0.049}]
+
+
+def test_a_metric_at_a_step_is_read_after_its_colon():
+    # RotatE-style KGE logging (retired blind b19qd-008): `<metric> at step N: value`.
+    m = parse_line(Metric(1, "x"), KEYS, "Training average loss at step 175800: 0.061791")
+    assert (m.step, m.named) == (175800.0, {"loss:training average loss": 0.061791})
+    e = parse_line(Metric(1, "x"), KEYS, "Training average loss at epoch 3: 0.5")
+    assert (e.epoch, e.step) == (3.0, None)
+
+
 def test_keys_outside_the_table_are_ignored():
     # A NaN timer is not a NaN loss; an auxiliary loss is not the training loss.
     m = _one("{'batch_time': 0.0002, 'train_loss': 0.185, 'setup_proc_time_mean': nan, 'epoch': 2}")

@@ -590,6 +590,21 @@ def test_slurms_cgroup_clean_up_after_the_jobs_last_line_is_no_failure():
     assert find(done + "slurmstepd: error: *** JOB 14112198 ON gpu-91 CANCELLED AT 2020-12-09T05:28:17 ***\n").failed
 
 
+def test_a_failure_before_powershells_next_command_header_belongs_to_an_earlier_command():
+    # One PowerShell capture of two commands (retired blind b19qe-004): an evaluation script's TypeError, then the
+    # training run, each command's output opened by PowerShell's NativeCommandError header.
+    def header(cmd):
+        return (f"python : 2025-12-26 20:26:23,982 - __main__ - INFO - \nAt line:1 char:1\n+ python {cmd} ...\n"
+                "    + CategoryInfo          : NotSpecified: (2025-12-26 20:2...ain__ - INFO - :String) [], RemoteException\n"
+                "    + FullyQualifiedErrorId : NativeCommandError\n \n")
+    crash = ('Traceback (most recent call last):\n  File "integrate_advanced.py", line 354, in <module>\n'
+             "TypeError: TimeBasedStrategy.__init__() got an unexpected keyword argument 'off_peak_price'\n")
+    trained = "2025-12-26 20:27:15,186 - __main__ - INFO - TRAINING COMPLETE\n"
+    assert not find(header("integrate_advanced.py") + crash + header("train_advanced.py") + trained).failed
+    assert find(header("integrate_advanced.py") + crash + trained).failed
+    assert find(header("train_advanced.py") + trained + crash).failed
+
+
 def test_out_of_memory_words_and_the_advice_that_only_mentions_them():
     assert "out-of-memory-words" in _find_ids("ERROR: Out of GPU memory while running the step\n")
     assert "out-of-memory-words" in _find_ids("worker 3: OOM\n")

@@ -452,13 +452,15 @@ class FailureSignalsTable(Strict):
     failure_markers: list[str] = Field(min_length=1, description="lines that show the run failed, whatever the cause")
     finished_markers: list[str] = Field(default_factory=list, description="lines a trainer prints when training ran to its end: an error before one did not stop the run")
     failure_levels: list[str] = Field(default_factory=list, description="failure markers matched on the raw line, before prefixes (timestamps, log levels) are removed: a logger's ERROR / FATAL line")
+    launch_markers: list[str] = Field(default_factory=list, description="lines a shell prints when it starts a new command "
+                                      "(PowerShell's NativeCommandError header): failure lines before one belong to an earlier command")
     benign_lines: list[str] = Field(default_factory=list, description="lines a marker or a level would take for a failure line "
                                     "that tools print when nothing failed (a scheduler's clean-up after the job's last line)")
     fallback: list[FallbackRule] = Field(min_length=1, description="the class of a failure no signal names, by exception type")
     cut_traceback: list[FallbackRule] = Field(default_factory=list, description="read first on the innermost frames when the excerpt stops inside a traceback")
     fallback_priority: int = Field(ge=0, le=100, description="the weight a fallback class carries against other signals")
 
-    @_field_validator("failure_markers", "finished_markers", "failure_levels", "benign_lines")
+    @_field_validator("failure_markers", "finished_markers", "failure_levels", "benign_lines", "launch_markers")
     @classmethod
     def _valid(cls, v):
         return _compiles(v)

@@ -33,6 +33,8 @@ _NUM_C = r"-?nan|" + _NUM  # a C printf's NaN: `-nan`
 # A torch tensor printed whole (`Loss: tensor(2.3456, device='cuda:0', grad_fn=<AddBackward0>)`, `tensor([nan])`)
 # is its number: plain PyTorch loops print the loss that way.
 _PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?(?:\s*\([\w .,%/=-]{1,40}\))?\s*(?:[:=]\s*['\"]?\[?|\s+)(?:tensor\(\[{0,2})?\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
+_AT_STEP = re.compile(r"(?P<key>[A-Za-z][\w/.\- ]{0,48}?) at (?P<unit>step|iteration|iter|epoch) (?P<n>\d+)\s*[:=]\s*(?P<val>"
+                      + _NUM + r")(?![\w.])", re.I)
 _TUPLE_PAIR = re.compile(r"\(\s*'([\w/.\- ]{1,48})'\s*,\s*(" + _NUM + r")\s*\)")
 _SPLIT = re.compile(r"\s*(?:\||│|,|;|\t| - )\s*")
 _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
@@ -551,6 +553,7 @@ class MetricTable:
         self.columns: list[str | None] | None = None
         self.csv = False  # the header read was a CSV one: its rows have commas and no other separator
         self.epoch: float | None = None  # the epoch the last `Epoch 3/10` line announced
+        self.evaluating = False  # the last progress line was an evaluation loop's (`Test: [10/242]`), not a training one's
         self.spaced = False  # the header read was a space-aligned one (fastai's): its rows are split on whitespace
         self.vertical: Metric | None = None  # the open key | value table's record, given out when the table ends
         self._rows, self._quoted_bad = 0, False
@@ -650,6 +653,11 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
             found |= _assign(m, keys, normalise_key(k), v)
         if found:
             m.source = "tuples"
+    if not m.source and " at " in line and (at := _AT_STEP.search(line)) and _assign(m, keys, at.group("key"), at.group("val")):
+        # `Training average loss at step 15000: 0.091801` (KGE trainers, RotatE's logging): the number after the
+        # step word is where the run is, the one after the colon the metric (the pair reader would take the step).
+        setattr(m, "epoch" if at.group("unit").lower() == "epoch" else "step", float(at.group("n")))
+        m.source = "pairs"
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
         m.source = "pairs"
     if m.step is None and (m.loss is not None or m.grad_norm is not None or m.eval_loss is not None or m.named):
@@ -701,13 +709,34 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
             if ("\r" not in raw or ("loss" not in raw and "Loss" not in raw)  # (cheap tests first: most bars log no loss)
                     or not (clean := _earlier_bar(raw)) or not may_carry(clean, table)):
                 continue
+        if clean[:1] in "TVEe" and (phase := _PHASE.match(clean)):
+            table.evaluating = phase.group(1) is not None
         m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
         if carries(m):
             if m.epoch is None:
                 m.epoch = table.epoch
+            if table.evaluating:
+                _as_evaluation(m)
             yield m
     if end and (rec := table.flush()) is not None:
         yield rec  # the log ended inside a key | value table
+
+
+# The progress lines of the loops pytorch/examples' ImageNet script made common (MoCo, DeiT, timm's, many forks): a
+# training step's `Epoch: [77][180/250]  Time ...  Loss 0.5166`, an evaluation step's `Test: [10/242]  ...  Loss 5.85`.
+# The records printed from an evaluation line until the next training line (the test loop's other meters, on lines
+# of their own) are the evaluation's: a test loss on other data is no point of the training curve.
+_PHASE = re.compile(r"(?:(Test|Val|Validation|Eval|Evaluation)|Epoch)\s*:\s*\[\s*\d+", re.I)
+
+
+def _as_evaluation(m: Metric) -> None:
+    """An evaluation loop's record: its losses are evaluation losses (checked for NaN/inf, not read as a curve)."""
+    if m.loss is not None:
+        if m.eval_loss is None:
+            m.eval_loss = m.loss
+        m.loss, m.loss_key = None, ""
+    if m.named:
+        m.named = {("eval_loss:" + k.partition(":")[2] if k.startswith("loss:") else k): v for k, v in m.named.items()}
 
 
 # A line that only announces the epoch its next records belong to (Keras' model.fit, many plain loops).

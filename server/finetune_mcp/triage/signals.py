@@ -58,6 +58,12 @@ _KERAS_LAST_EPOCH = re.compile(r"^[ \t]*Epoch (\d+)/\1[ \t]*$", re.M)
 _KERAS_BAR_DONE = re.compile(r"^\s*(?:\d{1,4}:\s+)?(\d+)/\1 \[=+\]")
 
 
+def last_launch(log: "Log", comp: "Compiled") -> int | None:
+    """The last line (1-based in the whole log) where a shell said a new command began (launch_markers)."""
+    found = [i for p in comp.launches if log.may_match(p, comp) for i in log.scan(p)]
+    return max(found) + log.first_line if found else None
+
+
 def last_finished(log: "Log", comp: "Compiled") -> tuple[int, str] | None:
     """The last line where a trainer said training ran to its end (its number, 1-based in the whole log, and its
     text): a finished marker, or the bar of Keras' last epoch drawn to its total within two lines of that epoch's header."""
@@ -214,10 +220,11 @@ class Compiled:
                 self.unless[s.id] = [re.compile(p, flags) for p in s.unless]
         self.markers = [re.compile(p, re.M) for p in table.failure_markers]
         self.finished = [re.compile(p, re.M) for p in table.finished_markers]
+        self.launches = [re.compile(p, re.M) for p in table.launch_markers]
         self.levels = [re.compile(p, re.M) for p in table.failure_levels]
         self.benign = [re.compile(p) for p in table.benign_lines]
         self.literals = {p.pattern + str(p.flags): required_literals(p) for _, ps in self.line_signals for p in ps}
-        self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers + self.finished})
+        self.literals.update({p.pattern + str(p.flags): required_literals(p) for p in self.markers + self.finished + self.launches})
         self.fallback = [(r, re.compile(r.match), re.compile(r.frames) if r.frames else None) for r in table.fallback]
         self.cut_traceback = [(r, re.compile(r.match)) for r in table.cut_traceback]
         self.nonfinite_ignore = frozenset(table.records.nonfinite_ignore)
@@ -391,11 +398,16 @@ class Findings:
     last_traceback_at: int | None = None  # the line of the log's last "Traceback (most recent call last)"
     level_only: bool = False  # every failure line is a logger's level line (ERROR/FATAL/CRITICAL): no other marker
     line_count: int = 0  # the lines of the whole log
+    launched_at: int | None = None  # the last line where a shell said a new command began (launch_markers)
 
     def _records_after(self, line: int) -> bool:
         """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
         need = self.table.records.went_on_records if self.table is not None else 0
         return bool(need and line and sum(1 for n in self.record_lines if n > line) >= need)
+
+    def _launched_after(self, line: int) -> bool:
+        """The shell started another command after `line`: what went wrong before belongs to an earlier one."""
+        return bool(line and self.launched_at and self.launched_at > line)
 
     def _finished_after(self, line: int) -> bool:
         """A trainer said training ran to its end after `line` (HF's "Training completed", Lightning's
@@ -415,7 +427,7 @@ class Findings:
         """The run logged went_on_records metric records after the hit's last line, or finished training
         after it: whatever it said (an OOM a batch-size finder caught, a tool an optional step lacked),
         training went on past it."""
-        return self._records_after(hit.last_line) or self._finished_after(hit.last_line)
+        return self._records_after(hit.last_line) or self._finished_after(hit.last_line) or self._launched_after(hit.last_line)
 
     @property
     def went_on(self) -> bool:
@@ -429,7 +441,7 @@ class Findings:
         if (lines and self.level_only and self.exception is None and self.last_traceback_at is None
                 and self.lines_after >= lines):
             return True  # a logger's error line the program printed on well past
-        return self._records_after(last) or self._finished_after(last)
+        return self._records_after(last) or self._finished_after(last) or self._launched_after(last)
 
     @property
     def failed(self) -> bool:
@@ -1462,6 +1474,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     marked |= level
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
     finished = last_finished(log, comp)
+    launched = last_launch(log, comp)
     cell_frame = last_cell_frame(log)
     exc = last_exception(log)
     head = last_traceback(log)
@@ -1475,7 +1488,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
                     threads=threads, bar_done=bar_done, transient=transient, finished=finished, last_traceback_at=head,
-                    cell_frame_at=cell_frame, level_only=level_only, line_count=len(log.lines))
+                    cell_frame_at=cell_frame, level_only=level_only, line_count=len(log.lines), launched_at=launched)
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -1511,6 +1524,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     threads = Threads()
     bar_done: int | None = None
     finished: tuple[int, str] | None = None
+    launched: int | None = None
     cell_frame: int | None = None
     prev: Metric | None = None
     first_line = 1
@@ -1553,6 +1567,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             threads.feed(log)
             bar_done = last_bar_done(log) or bar_done
             finished = last_finished(log, comp) or finished
+            launched = last_launch(log, comp) or launched
             cell_frame = last_cell_frame(log) or cell_frame
             tail_metrics = []
             for m in chunk_metrics:
@@ -1578,7 +1593,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     return Findings(list(by_id.values()), tail_metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
                     transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame,
-                    level_only=level_marked and not other_marked, line_count=first_line - 1)
+                    level_only=level_marked and not other_marked, line_count=first_line - 1, launched_at=launched)
 
 
 def _not_benign(log: Log, comp: Compiled, lines: set[int]) -> set[int]:
