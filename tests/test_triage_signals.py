@@ -605,6 +605,16 @@ def test_a_failure_before_powershells_next_command_header_belongs_to_an_earlier_
     assert find(header("train_advanced.py") + trained + crash).failed
 
 
+def test_a_loss_print_that_repeats_while_the_q_estimate_climbs_is_no_flat_loss():
+    # PyTorch's Mario DQN tutorial logs means over the last 100 episodes rounded to 3 decimals (dev batch 21, va-003):
+    # `Mean Loss` repeats for episodes while `Mean Q Value`, the network's own output, keeps moving.
+    lines = [f"Episode {769 + i} - Step {287632 + 400 * i} - Epsilon 1 - Mean Reward {5068.9 - i:.3f} - Mean Length 4 - "
+             f"Mean Loss 3.233 - Mean Q Value {4435.121 + i:.3f} - Time Delta 9.502" for i in range(9)]
+    assert "flat-loss" not in _find_ids("\n".join(lines) + "\n")
+    still = [line.replace(line[line.index("Mean Q Value"):line.index(" - Time")], "Mean Q Value 4435.121") for line in lines]
+    assert "flat-loss" in _find_ids("\n".join(still) + "\n")
+
+
 def test_out_of_memory_words_and_the_advice_that_only_mentions_them():
     assert "out-of-memory-words" in _find_ids("ERROR: Out of GPU memory while running the step\n")
     assert "out-of-memory-words" in _find_ids("worker 3: OOM\n")

@@ -202,7 +202,8 @@ def clean_lines(lines: list[str]) -> list[str]:
 
 def key_kind(key: str) -> str | None:
     """What a key outside metric_keys carries, by its name: 'loss', 'eval_loss', 'grad_norm', 'loss_scale', 'kl', 'ppl',
-    'reward', 'acc' or None (a reward or an accuracy only marks its record: see _assign).
+    'reward', 'acc', 'q' or None (a reward or an accuracy only marks its record: see _assign; a Q value, like a
+    perplexity, only tells weights that move from a loss print that does not).
 
     `mtp 1 loss`, `value loss`, `actor pg loss`, `loss a` are losses; `model grad norm`, `grad norm actor`
     grad norms; `grad scale`, `loss scaler`, `scaler`, `scale_g` loss scales; `kl`, `approx kl` a KL (checked for
@@ -228,6 +229,8 @@ def key_kind(key: str) -> str | None:
         return "ppl"
     if "acc" in toks or "accuracy" in toks:
         return "acc"
+    if "q" in toks and any(t in ("value", "values", "mean", "avg", "max", "taken") for t in toks):
+        return "q"  # a value network's estimate (`Mean Q Value 4435.121`, pymarl's q_taken_mean): a model output
     if any(t.startswith("grad") for t in toks) and any(t.endswith("norm") for t in toks) or "gnorm" in toks:
         return "grad_norm"
     # scale_g / scale_d: a GAN's two AMP scalers, one per network

@@ -632,8 +632,10 @@ def _total_fell(first: Metric, last: Metric) -> bool:
 def _weights_move(records, ppl: bool = True) -> bool:
     """The records say the weights are moving, whatever the loss print says: a grad norm that is positive and
     not the same every time, or another loss logged beside it (`Train L1 Loss`, `value_loss`, or a validation
-    loss: the same weights score the same held-out data the same) or a perplexity (exp of the loss, printed with
-    more digits: `loss  7.14 | ppl  1264.60`) that changes from record to record. A loss pinned at one value
+    loss: the same weights score the same held-out data the same), a perplexity (exp of the loss, printed with
+    more digits: `loss  7.14 | ppl  1264.60`) or a value network's Q estimate (PyTorch's Mario DQN tutorial prints
+    `Mean Loss 3.233 - Mean Q Value 4435.121`, both means over the last 100 episodes rounded to 3 decimals) that
+    changes from record to record. A loss pinned at one value
     while its neighbour moves is one term at its floor, or a print rounding it to 0.0000 or to two decimals."""
     if len({x.grad_norm for x in records if _finite(x.grad_norm) and x.grad_norm > 0}) > 1:
         return True
@@ -642,7 +644,7 @@ def _weights_move(records, ppl: bool = True) -> bool:
     others: dict[str, set[float]] = {}
     for x in records:
         for k, v in x.named.items():
-            if k.startswith(("loss:", "eval_loss:", "ppl:") if ppl else ("loss:", "eval_loss:")) and _finite(v):
+            if k.startswith(("loss:", "eval_loss:", "ppl:", "q:") if ppl else ("loss:", "eval_loss:", "q:")) and _finite(v):
                 others.setdefault(k, set()).add(v)
     return any(len(vals) > 1 for vals in others.values())
 
