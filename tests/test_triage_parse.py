@@ -241,6 +241,17 @@ def test_a_metric_at_a_step_is_read_after_its_colon():
     assert (e.epoch, e.step) == (3.0, None)
 
 
+def test_a_source_files_line_number_and_a_sentence_about_cost_are_no_metrics():
+    # A warning's location (`losses.py:49:`), glog's (`cost_estimator.cc:699]`), and a math problem an RL run prints among
+    # its samples ("the cost of 6 cards") are no records; a key that ends in cost still is one.
+    for line in ("/home/u/E2DTC/losses.py:49: UserWarning: Creating a tensor from a list of numpy.ndarrays is slow",
+                 "W0000 00:00:1755712869.739954 1154753 op_level_cost_estimator.cc:699] Error in PredictCost()",
+                 "1. **Calculate the cost of 6 cards from each box:**"):
+        assert not parse_line(Metric(1, "x"), KEYS, line).named, line
+    assert parse_line(Metric(1, "x"), KEYS, "epoch 3 train cost: 0.52").loss == 0.52
+    assert parse_line(Metric(1, "x"), KEYS, "step 9 policy cost: 0.31").named == {"loss:policy cost": 0.31}
+
+
 def test_keys_outside_the_table_are_ignored():
     # A NaN timer is not a NaN loss; an auxiliary loss is not the training loss.
     m = _one("{'batch_time': 0.0002, 'train_loss': 0.185, 'setup_proc_time_mean': nan, 'epoch': 2}")

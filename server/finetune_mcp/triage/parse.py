@@ -35,6 +35,8 @@ _NUM_C = r"-?nan|" + _NUM  # a C printf's NaN: `-nan`
 _PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?(?:\s*\([\w .,%/=-]{1,40}\))?\s*(?:[:=]\s*['\"]?\[?|\s+)(?:tensor\(\[{0,2})?\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
 _AT_STEP = re.compile(r"(?P<key>[A-Za-z][\w/.\- ]{0,48}?) at (?P<unit>step|iteration|iter|epoch) (?P<n>\d+)\s*[:=]\s*(?P<val>"
                       + _NUM + r")(?![\w.])", re.I)
+# A source file's name right before the pair's separator: the number after it is a line of that file.
+_SOURCE_FILE = re.compile(r"\.(?:py|pyx|cc|cpp|cxx|c|h|hpp|cu|cuh|go|rs|java|js|ts)$", re.I)
 _TUPLE_PAIR = re.compile(r"\(\s*'([\w/.\- ]{1,48})'\s*,\s*(" + _NUM + r")\s*\)")
 _SPLIT = re.compile(r"\s*(?:\||│|,|;|\t| - )\s*")
 _TQDM_STEP = re.compile(r"(?<![\w.])(\d+)/(\d+) \[")
@@ -219,7 +221,7 @@ def key_kind(key: str) -> str | None:
         return "kl"
     if any(t in _REWARD_WORDS for t in toks):
         return "reward"
-    if any(t == "losses" or t.endswith("loss") or t in _LOSS_NAMES for t in toks) or (
+    if any(t == "losses" or t.endswith("loss") or (t in _LOSS_NAMES and (t != "cost" or t == toks[-1])) for t in toks) or (
             "crossentropy" in toks or "cross" in toks and "entropy" in toks) or (  # MXNet's Train-cross-entropy
             toks[0] == "l" and (len(toks) == 1 or toks[1] not in ("r", "rate"))):  # `L=0.34 D=0.33`, BasicSR's l_pix, L_total
         if "scale" in toks or "scaler" in toks:
@@ -242,7 +244,8 @@ def key_kind(key: str) -> str | None:
 
 _CAMEL = re.compile(r"(?<=[a-z])(?=[A-Z])")
 # Objectives printed under their own names, not "loss": negative log-likelihood, binary cross-entropy,
-# cross-entropy as `xent`, CTC, bits per dimension, a cost. MSE is left out: scripts print it as an evaluation
+# cross-entropy as `xent`, CTC, bits per dimension, a cost (the key's last word: "the cost of 6 cards", a math problem an
+# RL run prints among its samples, is prose). MSE is left out: scripts print it as an evaluation
 # score after training (`CNN - MSE: 0.0044`) as often as a training loss, and those prints would count as records.
 _LOSS_NAMES = frozenset({"nll", "bce", "xent", "ctc", "bpd", "cost"})
 # A reward or return beside a loss marks a reinforcement-learning trainer's record (SB3's rollout/ep_rew_mean, TRL's
@@ -496,6 +499,8 @@ def _from_pairs(m: Metric, keys: KeyMap, line: str) -> bool:
     best = None
     for part in _SPLIT.split(line):
         for pm in _PAIR.finditer(part):
+            if _SOURCE_FILE.search(pm.group("key")):
+                continue  # `/home/u/E2DTC/losses.py:49: UserWarning`, glog's `cost_estimator.cc:699]`: a file and line
             val = pm.group("val")
             if val[-1] in "fFyY" and val[0] != "-":  # +inf: on a best-so-far report, the tracker's start value
                 if best is None:
