@@ -550,8 +550,9 @@ def test_an_end_of_training_summary_whose_mean_loss_is_exactly_zero():
 
 
 def test_a_record_line_printed_again_to_the_letter_is_read_once():
-    # Two writers on one file repeat its timestamped lines (retired blind b16ja-003): the recurring window of losses
-    # is a copy, not the weights standing still. Without a time of day, a repeated window is still read (a replay).
+    # Two writers on one file repeat its lines (retired blind b16ja-003): a record line printed again to the letter, its
+    # epoch or step included, is a copy, so the recurring window of losses is not the weights standing still. Lines that
+    # name no epoch or step are still read each time (a stuck loss repeats its values).
     losses = [0.6806, 0.6688, 0.5647, 0.5493, 0.4926, 0.4217]
     lines = [f"[2026-05-02 08:08:{30 + i:02d}] [Trainer] Epoch {110 + 10 * i:>7}  |  Loss: {v}" for i, v in enumerate(losses)]
     text = "\n".join(lines + lines + ["[2026-05-02 08:09:00] [Trainer] Epoch     170  |  Loss: 0.3361"]) + "\n"

@@ -936,19 +936,20 @@ class NumberRules:
                 self.nonfinite.append(m)
 
     def feed(self, m: Metric):
-        """One record. A record line printed again to the letter, its time of day included, is a second writer's
-        copy (two handlers on one file, a tee), not a new record: it is read once.
+        """One record. A record line printed again to the letter, its epoch or step included, among the latest
+        PRINTED_RECENT records, is a second writer's copy (two handlers on one file, a tee): it is read once.
         A record without an epoch in a run whose records carry one waits for the next record: if
         that one starts a new run (its epoch went back), the record was the new run's first (a relaunch prints
         its first loss before the progress bar that names the epoch), not the old run's last."""
-        key = hash(m.text)  # (the hash first: a regex per record would cost a 100 MB log half a second)
-        if key in self.printed:
-            if _TIMESTAMP.search(m.text):
-                return
-        else:
-            self.printed[key] = None
-            if len(self.printed) > PRINTED_RECENT:
-                del self.printed[next(iter(self.printed))]
+        key = m.seen_as  # the log line as the readers saw it, prefixes dropped (None: a record no log line printed)
+        if key is not None:
+            if key in self.printed:
+                if m.epoch is not None or m.step is not None:
+                    return
+            else:
+                self.printed[key] = None
+                if len(self.printed) > PRINTED_RECENT:
+                    del self.printed[next(iter(self.printed))]
         held, self.held = self.held, None
         if m.epoch is None and m.run_end is None and self.epoch_max is not None:
             if held is not None:
@@ -1322,9 +1323,7 @@ def _reward_moves(run: list[Metric]) -> bool:
     return len(rewards) > 1 and not any(m.grad_norm == 0 for m in run)
 
 
-# A time of day to the second (`08:08:30`): a record line that holds one and is printed again to the letter, among the
-# latest PRINTED_RECENT records, is a copy.
-_TIMESTAMP = re.compile(r"\b\d\d:\d\d:\d\d\b")
+# Records remembered to see a record line printed again (see NumberRules.feed).
 PRINTED_RECENT = 1000
 
 
