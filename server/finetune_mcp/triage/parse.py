@@ -717,7 +717,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
             if ("\r" not in raw or ("loss" not in raw and "Loss" not in raw)  # (cheap tests first: most bars log no loss)
                     or not (clean := _earlier_bar(raw)) or not may_carry(clean, table)):
                 continue
-        if clean[:1] in "TVEe" and (phase := _PHASE.match(clean)):
+        if clean[:1] in "TtVvEe" and (phase := _PHASE.match(clean)):
             table.evaluating = phase.group(1) is not None
         m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
         if carries(m):

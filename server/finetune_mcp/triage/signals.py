@@ -846,7 +846,8 @@ class NumberRules:
         self._adv: dict[str, bool] = {}
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
         self.game_over: tuple | None = None  # (discriminator, generator): the discriminator won (discriminator-won)
-        self.printed: dict[int, None] = {}  # hashes of the latest PRINTED_RECENT record lines, oldest first (see feed)
+        self.printed: set[int] = set()  # hashes of the latest record lines (see feed), and of the generation before
+        self.printed_before: set[int] = set()
         # Named losses of a reinforcement-learning trainer's records (beside a reward) that printed a value below
         # 0: signed surrogates (a PPO policy-gradient loss, an entropy bonus) hovering around 0, whose ratios say
         # nothing, so they have no spikes and no rise. (Outside RL a named loss's negative values are skipped and
@@ -937,19 +938,19 @@ class NumberRules:
 
     def feed(self, m: Metric):
         """One record. A record line printed again to the letter, its epoch or step included, among the latest
-        PRINTED_RECENT records, is a second writer's copy (two handlers on one file, a tee): it is read once.
+        PRINTED_RECENT records or more, is a second writer's copy (two handlers on one file, a tee): it is read once.
         A record without an epoch in a run whose records carry one waits for the next record: if
         that one starts a new run (its epoch went back), the record was the new run's first (a relaunch prints
         its first loss before the progress bar that names the epoch), not the old run's last."""
         key = m.seen_as  # the log line as the readers saw it, prefixes dropped (None: a record no log line printed)
         if key is not None:
-            if key in self.printed:
+            if key in self.printed or key in self.printed_before:
                 if m.epoch is not None or m.step is not None:
                     return
             else:
-                self.printed[key] = None
-                if len(self.printed) > PRINTED_RECENT:
-                    del self.printed[next(iter(self.printed))]
+                self.printed.add(key)
+                if len(self.printed) >= PRINTED_RECENT:  # two generations: the latest PRINTED_RECENT to 2x as many
+                    self.printed_before, self.printed = self.printed, set()
         held, self.held = self.held, None
         if m.epoch is None and m.run_end is None and self.epoch_max is not None:
             if held is not None:
