@@ -293,9 +293,9 @@ def _why_not_fatal(f: Findings, first: int) -> str:
     """Why the error at line `first` did not end the run (f.went_on, or f.threads.only_threads_failed)."""
     if f.went_on:
         return (f" The run went on past the error at line {first} ({f.table.records.went_on_records} or more logged "
-                f"records, a progress bar run to its total, the trainer's end-of-training line, or - after a logger's "
-                f"error line - {f.table.records.went_on_lines} or more lines of output, after it), so it was caught, "
-                f"not fatal.")
+                f"records, a progress bar run to its total, the trainer's end-of-training line, a later command's start, "
+                f"or - after a logger's error line - {f.table.records.went_on_lines} or more lines of output, after it), "
+                f"so it was caught, not fatal.")
     if f.threads.thread_headers:
         return (f" The error at line {first} was raised in a thread other than the main one (\"Exception in thread\"), "
                 f"which Python reports and the program outlives, and the program printed on after it.")

@@ -58,19 +58,31 @@ _KERAS_LAST_EPOCH = re.compile(r"^[ \t]*Epoch (\d+)/\1[ \t]*$", re.M)
 _KERAS_BAR_DONE = re.compile(r"^\s*(?:\d{1,4}:\s+)?(\d+)/\1 \[=+\]")
 
 
+def _lines_matching(log: "Log", comp: "Compiled", patterns: list[re.Pattern]) -> set[int]:
+    """0-based indexes of the lines any of the patterns matches (each tried only where its literal is)."""
+    return {i for p in patterns if log.may_match(p, comp) for i in log.scan(p)}
+
+
+def _failure_lines(log: "Log", comp: "Compiled", levels: bool = True) -> tuple[set[int], set[int]]:
+    """The failure lines of a log (0-based): those a failure marker matches, and those whose logger printed an error
+    level (when `levels`), neither of them a benign_lines line (a tool's message when nothing failed)."""
+    marked = _not_benign(log, comp, _lines_matching(log, comp, comp.markers))
+    return marked, _not_benign(log, comp, log.level_lines(comp)) if levels else set()
+
+
 def last_launch(log: "Log", comp: "Compiled") -> int | None:
     """The last line (1-based in the whole log) where a shell said a new command began (launch_markers)."""
-    found = [i for p in comp.launches if log.may_match(p, comp) for i in log.scan(p)]
+    found = _lines_matching(log, comp, comp.launches)
     return max(found) + log.first_line if found else None
 
 
 def last_finished(log: "Log", comp: "Compiled") -> tuple[int, str] | None:
     """The last line where a trainer said training ran to its end (its number, 1-based in the whole log, and its
     text): a finished marker, or the bar of Keras' last epoch drawn to its total within two lines of that epoch's header."""
-    found = [i for p in comp.finished if log.may_match(p, comp) for i in log.scan(p)]
+    found = _lines_matching(log, comp, comp.finished)
     if "Epoch " in log.text:
         for i in log.scan(_KERAS_LAST_EPOCH):
-            found += [k for k in (i + 1, i + 2) if k < len(log.clean) and _KERAS_BAR_DONE.match(log.clean[k])][:1]
+            found.update([k for k in (i + 1, i + 2) if k < len(log.clean) and _KERAS_BAR_DONE.match(log.clean[k])][:1])
     if not found:
         return None
     i = max(found)
@@ -465,10 +477,7 @@ def word_hits(log: Log, comp: Compiled, records: set[int] = frozenset()) -> dict
     records, which a records_decide signal leaves to the records rules."""
     out: dict[str, Hit] = {}
     for s, pats in comp.line_signals:
-        matched: set[int] = set()
-        for p in pats:
-            if log.may_match(p, comp):
-                matched |= set(log.scan(p))
+        matched = _lines_matching(log, comp, pats)
         unless = comp.unless.get(s.id)
         if matched:
             matched -= log.code  # IPython's source around a frame quotes the words; the run did not print them
@@ -1466,12 +1475,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     _merge_hits(by_id, rules.hits())
     transient = _set_aside_transients(by_id, rules)
     _merge_hits(by_id, nonfinite_metric_hits(log, comp))
-    marked: set[int] = set()
-    for m in comp.markers:
-        if log.may_match(m, comp):
-            marked |= set(log.scan(m))
-    level = log.level_lines(comp)
-    marked, level = _not_benign(log, comp, marked), _not_benign(log, comp, level)
+    marked, level = _failure_lines(log, comp)
     level_only = bool(level) and level >= marked
     marked |= level
     markers = _ends([(i + 1, log.lines[i]) for i in sorted(marked)])
@@ -1551,18 +1555,11 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             chunk_metrics = list(line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line, end=not block))
             _merge_hits(by_id, [*word_hits(log, comp, {m.line - first_line for m in chunk_metrics}).values(),
                                 *nonfinite_metric_hits(log, comp)], most=MAX_LINES_PER_HIT * 4)
-            marked: set[int] = set()
-            for m in comp.markers:
-                if log.may_match(m, comp):
-                    marked |= set(log.scan(m))
-            marked = _not_benign(log, comp, marked)
-            if fh.tell() >= size - WHOLE_BYTES:  # a logger's error line 8 MB before the end is one the run logged past
-                level = _not_benign(log, comp, log.level_lines(comp))
-                other_marked = other_marked or bool(marked - level)
-                level_marked = level_marked or bool(level)
-                marked |= level
-            else:
-                other_marked = other_marked or bool(marked)
+            # A logger's error line 8 MB before the end is one the run logged past: levels only in the last WHOLE_BYTES.
+            marked, level = _failure_lines(log, comp, levels=fh.tell() >= size - WHOLE_BYTES)
+            other_marked = other_marked or bool(marked - level)
+            level_marked = level_marked or bool(level)
+            marked |= level
             markers = _ends(markers + [(i + first_line, log.lines[i]) for i in sorted(marked)])
             exc = last_exception(log) or exc
             head = last_traceback(log) or head
