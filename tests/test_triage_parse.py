@@ -233,6 +233,21 @@ def test_an_evaluation_loops_records_are_evaluation_losses():
                                                  {"loss:cos sim loss": 0.049}]
 
 
+def test_a_tagged_evaluation_line_holds_evaluation_losses():
+    # PaddleClas (dev, retired blind 21 sa-007): every line carries its phase, `[Train][Epoch 3/1000]` / `[Eval][Epoch 3]`.
+    text = ("[Train][Epoch 3/1000][Iter: 0/54]lr(LinearWarmup): 0.00019, CELoss: 2.04, loss: 2.04, top1: 0.375\n"
+            "[Eval][Epoch 3][Iter: 30/34]CELoss: 0.09180, loss: 0.09180, top1: 0.81048\n"
+            "[Train][Epoch 4/1000][Iter: 0/54]lr(LinearWarmup): 0.00019, CELoss: 1.98, loss: 1.98, top1: 0.4\n")
+    ms = parse_text(text, KEYS)
+    assert [(m.loss, m.eval_loss) for m in ms] == [(2.04, None), (None, 0.0918), (1.98, None)]
+
+
+def test_an_average_from_batch_a_to_b_is_the_number_after_is():
+    # DuReader's TF baseline (dev, retired blind 21 sa-014): `Average loss from batch 51 to 100 is 8.84`.
+    m = parse_line(Metric(1, "x"), KEYS, "Average loss from batch 51 to 100 is 8.840906867980957")
+    assert (m.step, m.loss, m.loss_key) == (100.0, 8.840906867980957, "average loss")
+
+
 def test_a_metric_at_a_step_is_read_after_its_colon():
     # RotatE-style KGE logging (retired blind b19qd-008): `<metric> at step N: value`.
     m = parse_line(Metric(1, "x"), KEYS, "Training average loss at step 175800: 0.061791")

@@ -1327,3 +1327,113 @@ def test_a_loss_scale_that_grows_back_above_the_floor_was_a_transient():
     back = [Metric(1, "a", loss_scale=128.0), Metric(2, "b", loss_scale=floor, scale_cut=True), Metric(3, "c", loss_scale=floor * 2)]
     assert "loss-scale-collapse" not in _ids(back)
     assert "loss-scale-collapse" in _ids(back + [Metric(4, "d", loss_scale=floor, scale_cut=True)])
+
+
+def test_nan_in_an_indexed_metric_counts():
+    # A DDPG agent's actions printed per actuator (dev, retired blind 22 ua-009): `Action [6]: -nan`.
+    ends = "entering control step\nAction [6]: 12\nentering control step\nAction [6]: -nan\nentering control step\nAction [7]: -nan\n"
+    assert "nonfinite-metric" in _find_ids(ends)
+    assert "nonfinite-metric" not in _find_ids(ends.replace("-nan", "12"))
+
+
+def _ppo_table(kls: list[float], ent: str = "-1.1") -> str:
+    rows = []
+    for i, kl in enumerate(kls, 2):
+        rows.append("---------------------------------------\n| time/                   |           |\n"
+                    f"|    iterations           | {i:<9} |\n| train/                  |           |\n"
+                    f"|    approx_kl            | {kl:<9} |\n|    entropy_loss         | {ent:<9} |\n"
+                    f"|    loss                 | {0.5 + i * 0.01:<9.3f} |\n|    n_updates            | {10 * i:<9} |\n"
+                    "---------------------------------------")
+    return "\n".join(rows) + "\n"
+
+
+def test_a_ppo_update_that_moves_the_policy_by_tens_of_nats_is_a_blowup_even_first():
+    # SB3 PPO at learning rate 0.2 (dev, retired blind 21 sb-008): the first update's approx_kl is 86, the policy collapses.
+    assert "kl-blowup" in _find_ids(_ppo_table([86.03548, 0.0, 0.0, 0.0]))
+    # The healthy PPO runs of the corpus stay under 1.7 (dev b21sb-020), and a KL with no small one before it is no blowup
+    # below kl_first_max; a VAE's KL term (not PPO's sampled estimate) is no policy at all.
+    assert "kl-blowup" not in _find_ids(_ppo_table([1.67, 0.9, 1.2, 0.8]))
+    assert "kl-blowup" not in _find_ids("".join(f"epoch {i} recon_loss: 0.5 kl_loss: {40 + i}\n" for i in range(12)))
+
+
+def test_a_scale_that_never_held_a_scalers_value_is_no_loss_scale():
+    # PaddleOCR's config dump (dev, retired blind 21 sa-022): a backbone's `scale : 0.75` under `scale : 1./255.`;
+    # PaddleClas' `scale_loss : 128.0` is another name than its transforms' `scale : 1.0/255.0` (sa-007).
+    dump = "    scale_loss : 128.0\n" + "".join("        scale : 1.0/255.0\n        scale : 0.75\n" for _ in range(3))
+    assert "loss-scale-collapse" not in _find_ids(dump)
+    # A scaler's own values are powers of two, down to its floor (an excerpt may start below 1).
+    assert "loss-scale-collapse" in _find_ids("".join(f"step {i} loss 2.3 scale: {v}\n" for i, v in enumerate([1024, 64, 0.5, 0.25, 0.125])))
+
+
+def test_a_huge_grad_norm_among_the_scalers_skipped_steps_that_the_run_came_back_from_is_a_transient():
+    # HF Trainer, Llama-3-8B SFT (dev, retired blind 22 ub-020): `inf` grad norms and one 1.67e18, then norms of 2-100
+    # for 30 logs while the loss falls from 1.64 to 1.2.
+    head = [f"{{'loss': 1.66, 'grad_norm': inf, 'learning_rate': 5e-06, 'epoch': 0.0{i}}}" for i in range(1, 4)]
+    big = ["{'loss': 1.639, 'grad_norm': 1.6703731171149742e+18, 'learning_rate': 9.9e-06, 'epoch': 0.11}"]
+    after = [f"{{'loss': {1.6 - i * 0.02:.4f}, 'grad_norm': {2 + i % 3}.5, 'learning_rate': 9e-06, 'epoch': {0.12 + i / 100:.2f}}}"
+             for i in range(12)]
+    assert "grad-norm-explosion" not in _find_ids("\n".join(head + big + after) + "\n")
+    r = classify_text("\n".join(head + big + after) + "\n")
+    assert r.failure_class == "none" and "grad-norm-explosion" in r.reason
+    # Too few norms after it, or a loss that climbed past the one beside it: the explosion stands.
+    assert "grad-norm-explosion" in _find_ids("\n".join(head + big + after[:5]) + "\n")
+    worse = [a.replace("'loss': 1.", "'loss': 3.") for a in after]
+    assert "grad-norm-explosion" in _find_ids("\n".join(head + big + worse) + "\n")
+
+
+def test_an_error_level_glued_with_hyphens_is_a_failure_line():
+    # `%(asctime)s -%(name)s-%(levelname)s-%(module)s:%(message)s` (dev, retired blind 22 ua-011, a Keras script).
+    last = "2018-09-16 19:43:19,388 -keras_dpm-ERROR-transfer_learning:unsupported operand type(s) for //: 'str' and 'int'\n"
+    assert classify_text("2018-09-16 17:42:36,365 -keras_dpm-INFO-transfer_learning:start\n" + last).failure_class == "environment"
+    assert classify_text("2018-09-16 17:42:36,365 -keras_dpm-INFO-transfer_learning:start\n"
+                         + last.replace("-ERROR-", "-INFO-")).failure_class == "none"
+
+
+def test_a_loop_that_prints_each_runs_caught_error_failed_when_no_run_went_on():
+    # An experiment loop whose every run failed on the API's balance (dev, retired blind 22 ua-015).
+    runs = "".join(f"INFO:ours:|2024-08-23 21:53:27| Run {i} Error: account balance insufficient\n" for i in range(4))
+    assert classify_text("INFO:ours:|2024-08-23 21:53:27| Experiment Start\n" + runs).failure_class == "environment"
+    went = "".join(f"epoch {i} loss {2 - i / 10:.2f}\n" for i in range(12))
+    assert classify_text(runs + went).failure_class == "none"
+
+
+def test_a_training_bar_drawn_after_a_failed_optional_cell_went_on():
+    # A Colab notebook (dev, retired blind 22 ua-022): a resume cell's FileNotFoundError, then the training cell's bar.
+    err = ("FileNotFoundError                         Traceback (most recent call last)\n<ipython-input-13> in <cell line: 2>()\n"
+           "FileNotFoundError: [Errno 2] No such file or directory: '/content/drive/MyDrive/w.pth'\n")
+    bar = "Epoch 0:   5%|▍         | {n}/1441 [01:22<27:21,  1.20s/batch, gan_loss=0.069, loss=10.7, mse_loss=0.78]\n"
+    assert classify_text(err + bar.format(n=68)).failure_class == "none"
+    assert classify_text(err + bar.format(n=3)).failure_class == "environment"  # too few steps to say it went on
+    assert classify_text(bar.format(n=68) + err).failure_class == "environment"
+
+
+def test_a_settings_block_in_a_config_dump_holds_no_losses():
+    # A yacs config printed after training (dev, retired blind 21 sb-007): `LOSS_WEIGHTS:` then `loss_jloc: 8.0`.
+    records = "".join(f"epoch: {i} iter: 45 loss: {0.99 - i / 100:.4f} loss_jloc: {0.0158 - i / 10000:.4f}\n" for i in range(12))
+    dump = "MODEL:\n  DEVICE: cuda\n  LOSS_WEIGHTS:\n    loss_afm: 0.1\n    loss_jloc: 8.0\n  NAME: HRNet48v2\n"
+    assert classify_text(records + dump).failure_class == "none"
+    assert classify_text(records + dump.replace("LOSS_WEIGHTS:", "LOSSES:")).failure_class == "divergence"
+
+
+def test_a_ppo_value_loss_that_grows_while_the_value_head_explains_the_returns_is_no_divergence():
+    # SB3 PPO on Super Mario without episode stats (dev, retired blind 21 sb-014): the loss climbs from 0.05 to 20-200
+    # while explained_variance stays near 0.9.
+    def table(loss, ev):
+        return (f"-----------------\n| train/ | |\n|    explained_variance   | {ev} |\n|    loss                 | {loss} |\n"
+                f"|    value_loss           | {loss * 2} |\n-----------------\n")
+    losses = [0.05, 0.06, 0.05, 0.04, 0.05, 0.06, 0.05, 0.07] + [20.0 + 5 * (i % 4) for i in range(16)]
+    assert classify_text("".join(table(v, 0.9) for v in losses)).failure_class == "none"
+    assert classify_text("".join(table(v, 0.05) for v in losses)).failure_class == "divergence"
+
+
+def test_a_failure_before_a_trainers_start_banner_belongs_to_an_earlier_launch():
+    # PaddleOCR's workerlog.0 collects every launch (dev, retired blind 21 sa-022): an OOM, then a relaunch training on.
+    oom = ("Error Message Summary:\n----------------------\nResourceExhaustedError: \n\nOut of memory error on GPU 0. Cannot "
+           "allocate 46.875000MB memory on GPU 0, 3.999512GB memory has been allocated and available memory is only 0.000000B.\n")
+    relaunch = ("[2026/05/05 17:53:01] ppocr INFO: Architecture : \n[2026/05/05 17:53:01] ppocr INFO:     Backbone : \n"
+                "[2026/05/05 17:53:07] ppocr INFO: epoch: [26/50], global_step: 10, lr: 0.000053, loss: 0.864222\n"
+                "[2026/05/05 17:53:11] ppocr INFO: epoch: [26/50], global_step: 20, lr: 0.000053, loss: 0.838551\n")
+    assert classify_text(oom + relaunch).failure_class == "none"
+    assert classify_text(relaunch + oom).failure_class == "oom"
+    hf = "***** Running training *****\n  Num examples = 100\n{'loss': 2.1, 'epoch': 0.1}\n"
+    assert classify_text(oom + hf).failure_class == "none"

@@ -414,6 +414,11 @@ class RecordRules(Strict):
     loss_abs_max: float = Field(1e8, gt=0, description="a logged loss of this size or more, either sign, is broken numbers")
     kl_max: float = Field(1.0, gt=0, description="a logged KL at or above this, after small ones, is a policy collapse")
     kl_rise_factor: float = Field(20.0, gt=1, description="the KL before it was at most kl_max / this")
+    rl_fit_explained_variance: float = Field(0.5, gt=0, le=1, description="a reinforcement-learning loss whose value head's "
+                                             "explained variance has a median of this or more over its last rise_window records "
+                                             "rose with the returns' spread: no rise or spike")
+    kl_first_max: float = Field(10.0, gt=0, description="a PPO sampled KL (approx_kl) at or above this is a policy collapse "
+                                "with no small one before it (the first update can blow up too)")
     adversarial_words: list[str] = Field(default_factory=list, description="words of a loss key that is one side of a GAN's game: no rise/spike rule")
     discriminator_words: list[str] = Field(default_factory=list, description="... of those, the words of the discriminator's side "
                                            "(the others name the generator's)")

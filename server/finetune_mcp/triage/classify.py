@@ -218,11 +218,12 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         by_class.setdefault(h.failure_class, []).append(h)
     if outlived:
         ids = ", ".join(f"{h.id} (last at line {h.last_line})" for h in _order(outlived))
-        dropped_note += (f" Set aside, the run logged {f.table.records.went_on_records} or more records after them: {ids}.")
+        dropped_note += (f" Set aside, training went on past them ({f.table.records.went_on_records} or more records, a trainer's "
+                         f"finished line or a later command's start after them): {ids}.")
     if f.transient:
         ids = ", ".join(f"{h.id} (last at line {h.last_line})" for h in _order(f.transient))
-        dropped_note += (f" Set aside as steps the fp16 loss scaler skipped, the NaN/inf grad norms came between finite "
-                         f"ones, with the loss finite throughout: {ids}.")
+        dropped_note += (f" Set aside as a transient the run came back from (steps the fp16 loss scaler skipped: NaN/inf "
+                         f"or huge grad norms followed by finite ones, with the loss finite throughout): {ids}.")
     stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped" and not f.outlived(h)
                and not _failed_after_stop(f, h)]
     scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}
@@ -331,6 +332,8 @@ def _by_fallback(f: Findings, cls: str, fallback, conf: float, runner_up: Runner
                  dropped_note: str) -> Classification:
     """A failed run no signal explains: the fallback rule's class, weakly, with the exception line as evidence."""
     where = f"line {f.exception[0]}" if f.exception else (f"line {f.markers[0][0]}" if f.markers else f"exit status {f.exit_code}")
+    if not f.exception and len(f.markers) > 1:
+        where += f", last at line {f.markers[-1][0]}"  # several failure lines (relaunches): the first may be an earlier try
     reason = (f"The run failed ({where}) and no known signal names the cause; {fallback.why}, so the likeliest class is "
               f"{cls} ({fallback.id}), weakly.") + dropped_note
     evidence = _evidence([], ([f.exception] if f.exception else []) + f.markers)

@@ -33,8 +33,8 @@ _NUM_C = r"-?nan|" + _NUM  # a C printf's NaN: `-nan`
 # A torch tensor printed whole (`Loss: tensor(2.3456, device='cuda:0', grad_fn=<AddBackward0>)`, `tensor([nan])`)
 # is its number: plain PyTorch loops print the loss that way.
 _PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?(?:\s*\([\w .,%/=-]{1,40}\))?\s*(?:[:=]\s*['\"]?\[?|\s+)(?:tensor\(\[{0,2})?\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
-_AT_STEP = re.compile(r"(?P<key>[A-Za-z][\w/.\- ]{0,48}?) at (?P<unit>step|iteration|iter|epoch) (?P<n>\d+)\s*[:=]\s*(?P<val>"
-                      + _NUM + r")(?![\w.])", re.I)
+_AT_STEP = re.compile(r"(?P<key>[A-Za-z][\w/.\- ]{0,48}?) (?:at|from) (?P<unit>step|iteration|iter|epoch|batch) (?:\d+ to )?"
+                      r"(?P<n>\d+)(?:\s*[:=]|\s+is)\s*(?P<val>" + _NUM + r")(?![\w.])", re.I)
 # A source file's name right before the pair's separator: the number after it is a line of that file.
 _SOURCE_FILE = re.compile(r"\.(?:py|pyx|cc|cpp|cxx|c|h|hpp|cu|cuh|go|rs|java|js|ts)$", re.I)
 _TUPLE_PAIR = re.compile(r"\(\s*'([\w/.\- ]{1,48})'\s*,\s*(" + _NUM + r")\s*\)")
@@ -221,6 +221,8 @@ def key_kind(key: str) -> str | None:
         return "kl"
     if any(t in _REWARD_WORDS for t in toks):
         return "reward"
+    if "explained" in toks and ("variance" in toks or "var" in toks):
+        return "ev"
     if any(t == "losses" or t.endswith("loss") or (t in _LOSS_NAMES and (t != "cost" or t == toks[-1])) for t in toks) or (
             "crossentropy" in toks or "cross" in toks and "entropy" in toks) or (  # MXNet's Train-cross-entropy
             toks[0] == "l" and (len(toks) == 1 or toks[1] not in ("r", "rate"))):  # `L=0.34 D=0.33`, BasicSR's l_pix, L_total
@@ -291,6 +293,7 @@ class Metric:
     seen_as: int | None = None  # hash of the line as the readers saw it (clean_line): a redraw repeats it under a new timestamp
     rl: bool = False  # the record also logs a reward or return: a reinforcement-learning trainer's (see key_kind)
     reward: float | None = None  # ... and the first such value it logs
+    ev: float | None = None  # the explained variance of the trainer's value head (PPO's), also an RL record's mark
     acc_full: bool = False  # the record also logs an accuracy at its ceiling (100 or 1.0): the model fits what it is scored on
 
     def has(self, name: str) -> bool:
@@ -446,6 +449,11 @@ def _assign(m: Metric, keys: KeyMap, key: str, value: Any) -> bool:
             if m.reward is None:
                 m.reward = to_number(value)
             return False
+        if name.startswith("ev:"):  # how well the value head predicts the returns (1 - Var(returns - values) / Var(returns))
+            m.rl = True
+            if m.ev is None:
+                m.ev = to_number(value)
+            return False
         if name.startswith("acc:"):  # not a metric of its own: it only tells a fitted zero loss from a broken one
             m.acc_full = m.acc_full or to_number(value) in (1.0, 100.0)
             return False
@@ -562,6 +570,7 @@ class MetricTable:
         self.csv = False  # the header read was a CSV one: its rows have commas and no other separator
         self.epoch: float | None = None  # the epoch the last `Epoch 3/10` line announced
         self.evaluating = False  # the last progress line was an evaluation loop's (`Test: [10/242]`), not a training one's
+        self.setting_indent: int | None = None  # inside a config dump's settings block (`LOSS_WEIGHTS:`): its header's indent
         self.spaced = False  # the header read was a space-aligned one (fastai's): its rows are split on whitespace
         self.vertical: Metric | None = None  # the open key | value table's record, given out when the table ends
         self._rows, self._quoted_bad = 0, False
@@ -661,9 +670,11 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
             found |= _assign(m, keys, normalise_key(k), v)
         if found:
             m.source = "tuples"
-    if not m.source and " at " in line and (at := _AT_STEP.search(line)) and _assign(m, keys, at.group("key"), at.group("val")):
-        # `Training average loss at step 15000: 0.091801` (KGE trainers, RotatE's logging): the number after the
-        # step word is where the run is, the one after the colon the metric (the pair reader would take the step).
+    if not m.source and (" at " in line or " from " in line) and (at := _AT_STEP.search(line)) and _assign(
+            m, keys, at.group("key"), at.group("val")):
+        # `Training average loss at step 15000: 0.091801` (KGE trainers, RotatE's logging), `Average loss from batch
+        # 51 to 100 is 8.84` (DuReader's baselines): the number after the step word is where the run is, the one
+        # after the colon or "is" the metric (the pair reader would take the step).
         setattr(m, "epoch" if at.group("unit").lower() == "epoch" else "step", float(at.group("n")))
         m.source = "pairs"
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
@@ -709,6 +720,14 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
             continue
         if i in code:
             continue
+        if table.setting_indent is not None:
+            if len(clean) - len(clean.lstrip()) > table.setting_indent:
+                continue  # a value under a settings block's header (`  LOSS_WEIGHTS:` / `    loss_jloc: 8.0`)
+            table.setting_indent = None
+        if ":" in clean[-2:] and (head := _SETTING_HEADER.match(clean)) and any(
+                w in _SETTING_WORDS or w[:-1] in _SETTING_WORDS for w in normalise_key(head.group(2)).split()):
+            table.setting_indent = len(head.group(1))
+            continue
         if not may_carry(clean, table):
             # A line of carriage-return redraws shows its last bar (`Validating: 100%|...|`); the training bar
             # before it, whose postfix held the epoch's last loss (`Training: 100%|...| 293/294 [..., loss=0.0687]`),
@@ -717,8 +736,8 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
             if ("\r" not in raw or ("loss" not in raw and "Loss" not in raw)  # (cheap tests first: most bars log no loss)
                     or not (clean := _earlier_bar(raw)) or not may_carry(clean, table)):
                 continue
-        if clean[:1] in "TtVvEe" and (phase := _PHASE.match(clean)):
-            table.evaluating = phase.group(1) is not None
+        if clean[:1] in "TtVvEe[" and (phase := _PHASE.match(clean)):
+            table.evaluating = phase.group(1) is not None or phase.group(2) is not None
         m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
         if carries(m):
             if m.epoch is None:
@@ -734,7 +753,11 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
 # training step's `Epoch: [77][180/250]  Time ...  Loss 0.5166`, an evaluation step's `Test: [10/242]  ...  Loss 5.85`.
 # The records printed from an evaluation line until the next training line (the test loop's other meters, on lines
 # of their own) are the evaluation's: a test loss on other data is no point of the training curve.
-_PHASE = re.compile(r"(?:(Test|Val|Validation|Eval|Evaluation)|Epoch)\s*:\s*\[\s*\d+", re.I)
+# A YAML config dump's mapping header with no value whose name is a setting's (`LOSS_WEIGHTS:`, `loss_coefs:`): the
+# `loss_jloc: 8.0` lines indented under it are the weights of the losses, not losses.
+_SETTING_HEADER = re.compile(r"([ \t]*)([A-Za-z_][\w.\-]*)[ \t]*:[ \t]*$")
+_PHASE = re.compile(r"(?:(Test|Val|Validation|Eval|Evaluation)|Epoch)\s*:\s*\[\s*\d+"
+                    r"|\[(?:(Eval|Evaluation|Test|Val|Valid|Validation)|Train|Training)\]\[", re.I)
 
 
 def _as_evaluation(m: Metric) -> None:

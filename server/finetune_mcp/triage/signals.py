@@ -38,10 +38,6 @@ _EXCEPTION_WORD = re.compile(r"Error|Exception|Interrupt|Exit")
 _TRACEBACK_LINE = re.compile(r"^\s*$|^Traceback \(most recent call last\)|^Exception in thread |^\s+|^[\w.]*(?:Error|Exception)\b|^During handling")
 
 
-# A tqdm bar at its total ("100%|██████████| 46/46 [..."): the loop it counts ran to its end.
-_BAR_DONE = re.compile(r"100%\|[^|\n]*\|\s*(\d+)/\1\b")
-
-
 def last_bar_done(log: "Log") -> int | None:
     """The line number (1-based, in the whole log) of the last progress bar that reached its total."""
     if "100%" not in log.text:
@@ -50,6 +46,24 @@ def last_bar_done(log: "Log") -> int | None:
     for last in _BAR_DONE.finditer(log.text):
         pass
     return None if last is None else log.line_of(last.start()) + log.first_line
+
+
+def last_bar_ran(records: list, ran: int) -> int | None:
+    """The line of the last of the latest records that is a training bar at iteration `ran` or more (`Epoch 0:   5%|
+    68/1441 [01:22<27:21, ..., loss=10.7]`): drawn after whatever was printed before it, a loop that ran past it (a
+    notebook's failed optional cell, then the training cell). Only the last BAR_RECORDS records are looked at."""
+    if ran:
+        for m in records[-BAR_RECORDS:][::-1]:
+            if m.step is not None and m.step >= ran and (bar := _BAR_RAN.search(m.text)) and int(bar.group(1)) >= ran:
+                return m.line
+    return None
+
+
+BAR_RECORDS = 16
+# A tqdm bar at its total ("100%|██████████| 46/46 [..."): the loop it counts ran to its end.
+_BAR_DONE = re.compile(r"100%\|[^|\n]*\|\s*(\d+)/\1\b")
+# A tqdm bar's counter with the elapsed time after it and a loss in its postfix: `68/1441 [01:22<27:21, ... loss=10.7]`
+_BAR_RAN = re.compile(r"\| *(\d+)/\d+ \[[\d:]+<[^\n\]]*loss", re.I)
 
 
 # Keras' fit: the header of its last epoch (`Epoch 100/100`), then that epoch's bar drawn to its total (`536/536 [====`;
@@ -403,7 +417,7 @@ class Findings:
     tail: list[str] = field(default_factory=list)  # the log's last lines (cleaned): where an excerpt cut short stops
     record_lines: list[int] = field(default_factory=list)  # line numbers of the last metric records (went_on_records at most)
     threads: Threads = field(default_factory=Threads)
-    bar_done: int | None = None  # the last line where a progress bar reached its total
+    bar_done: int | None = None  # the last line where a progress bar reached its total or ran went_on_records iterations
     transient: list[Hit] = field(default_factory=list)  # NaN grad norms of steps the fp16 scaler skipped: set aside
     finished: tuple[int, str] | None = None  # the last line where a trainer said training ran to its end: (number, text)
     cell_frame_at: int | None = None  # the line of the last frame of a notebook cell's traceback (`<ipython-input-9-...>`)
@@ -503,7 +517,7 @@ def _positions(text: str, word: str) -> Iterator[int]:
 # torch tensor printed whole (`loss: tensor(nan, device='cuda:0')`).
 # A key and its value: `key: nan`, `key=nan`, or a key | value table's row (`| obs_rms_mean | nan |`, Stable-Baselines'
 # and OpenAI Baselines' logger).
-_NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: [A-Za-z][\w/.\-\[\]]*){0,3})['\"]?\s*(?:[:=]|\s\|)\s*['\"]?"
+_NONFINITE_PAIR = re.compile(r"(?P<key>[A-Za-z][\w/.\-\[\]]*(?: (?:[A-Za-z][\w/.\-\[\]]*|\[\d+\])){0,3})['\"]?\s*(?:[:=]|\s\|)\s*['\"]?"
                              r"(?:tensor\(\[{0,2})?(?P<val>[-+]?(?:nan|inf(?:inity)?))(?![\w.])", re.I)
 _NONFINITE_WORD = re.compile(r"[:=|]\s*['\"]?(?:tensor\(\[{0,2})?[-+]?(?:nan|inf)", re.I)
 # A line that reports its own count as 0: its NaNs are means over nothing (darknet's `Region 82 Avg IOU: -nan, ...,
@@ -546,6 +560,18 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
         return []
     names = dict.fromkeys(normalise_key(k) for k in last if k in lasting)
     return [Hit(sig, lines, f"non-finite (NaN or inf) values in {', '.join(list(names)[:6])}")]
+
+
+def _scaler_value(v: float) -> bool:
+    """A value a dynamic loss scaler holds: a power of two other than 1 (2**16 at the start, halved on overflow,
+    doubled after a window of clean steps; an excerpt may start after it fell below 1), printed rounded to 3
+    significant digits or more. A name only guessed to be a loss scale (`scale`, `scale_g`) that never held such a
+    value is something else: a backbone's width multiplier `scale : 0.75` beside `scale : 1./255.` in a config
+    dump, an augmentation's scale."""
+    if not (math.isfinite(v) and v > 0 and v != 1):
+        return False
+    e = math.log2(v)
+    return abs(e - round(e)) < 0.002
 
 
 def _recovered(log: Log, key: str, line: int, enough: int) -> bool:
@@ -675,17 +701,18 @@ def _set_aside_transients(by_id: dict[str, Hit], rules: "NumberRules") -> list[H
     fp16 scaler skipped and every line they quote is one of those records, so HF Trainer's `'grad_norm': nan`
     dicts read as its log history saved as CSV does; Megatron's "number of nan iterations" or any other line
     keeps the hit. A NaN/inf loss is never set aside: numbers that went wrong stay wrong."""
+    big = [rules.big_set_aside] if rules.big_set_aside is not None else []
     lines = rules.transient_lines()
     sig = rules.comp.by_rule.get("nonfinite-grad-norm")
     if not lines or sig is None:
-        return []
+        return big
     hit = by_id.get(sig.id)
     if hit is None:
         # Only the records showed them (a CSV log history): the set-aside hit quotes those records.
-        return [Hit(sig, [(m.line, m.text) for m in rules.grad_bad], "NaN grad norms of skipped steps", last=max(lines))]
+        return [Hit(sig, [(m.line, m.text) for m in rules.grad_bad], "NaN grad norms of skipped steps", last=max(lines))] + big
     if hit.last_line in lines and all(n in lines for n, _ in hit.lines):
-        return [by_id.pop(hit.id)]
-    return []
+        return [by_id.pop(hit.id)] + big
+    return big
 
 
 class _Series:
@@ -721,6 +748,7 @@ class _Series:
         # The rewards logged beside this loss (a reinforcement-learning trainer's): its first and its latest rise_window.
         self.rewards_first: list[float] = []
         self.rewards_last: deque[float] = deque(maxlen=rules.rise_window)
+        self.ev_last: deque[float] = deque(maxlen=rules.rise_window)  # the value head's latest explained variances
 
     def feed(self, m: Metric, v: float):
         r = self.rules
@@ -728,6 +756,8 @@ class _Series:
             if len(self.rewards_first) < r.rise_window:
                 self.rewards_first.append(m.reward)
             self.rewards_last.append(m.reward)
+        if m.ev is not None and math.isfinite(m.ev):
+            self.ev_last.append(m.ev)
         self._settle(v)
         if len(self.window) >= r.spike_min_history and v > r.spike_factor * min(self.window):
             med = _median(self.window)
@@ -771,7 +801,13 @@ class _Series:
         """A reinforcement-learning loss whose logged reward, by the median of its last rise_window values, ended
         above the median of its first by at least as much as the first was from 0 (1 -> 2, -120 -> 0 or more, 0.1 ->
         16): a value or TD loss scales with the returns it predicts, so its rise is the policy improving."""
-        if not self.rl or len(self.rewards_first) < self.rules.rise_window or self.count < 2 * self.rules.rise_window:
+        if not self.rl or self.count < 2 * self.rules.rise_window:
+            return False
+        if len(self.ev_last) >= self.rules.rise_window and _median(self.ev_last) >= self.rules.rl_fit_explained_variance:
+            # The returns are not logged, but the value head explains most of their variance to the end: its loss,
+            # (1 - explained variance) x Var(returns), rose because the returns' spread did (a policy reaching rewards).
+            return True
+        if len(self.rewards_first) < self.rules.rise_window:
             return False
         first, last = _median(self.rewards_first), _median(self.rewards_last)
         return last - first >= max(abs(first), 1e-9)
@@ -851,6 +887,9 @@ class NumberRules:
         self.closed_series: list[_Series] = []  # the series of runs a restart closed
         self.big: list[Metric] = []
         self.big_max = 0.0
+        self.big_after = 0  # finite grad norms under grad_norm_max logged since the last one at or above it
+        self.big_loss: float | None = None  # the loss of the record with the last grad norm at or above it
+        self.big_set_aside: Hit | None = None
         self.huge: list[tuple[Metric, str, float]] = []
         self._adv: dict[str, bool] = {}
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
@@ -866,6 +905,7 @@ class NumberRules:
         self.kl_blow: tuple[Metric, str, float] | None = None
         self.scale_prev: float | None = None
         self.scale_max: float | None = None
+        self.scale_names: set[str] = set()  # names only guessed to be a loss scale that held a dynamic scaler's value
         self.floor: list[Metric] = []
         self.floor_min: float | None = None
         self.floor_left = False  # a scale above the floor was logged after the last cut to it
@@ -1032,7 +1072,8 @@ class NumberRules:
                         self.huge.append((m, name, v))  # a VAE's KL_loss at 3e15 is broken numbers like any loss
             elif kind == "grad_norm":
                 grads.append((name, v))
-            elif kind == "loss_scale" and m.loss_scale is None:
+            elif kind == "loss_scale" and m.loss_scale is None and (name in self.scale_names or _scaler_value(v)):
+                self.scale_names.add(name)  # a bare `scale` is a loss scale once it held a power of two, as scalers do
                 scales.append(v)
         for name, v in losses:
             if math.isfinite(v) and abs(v) >= self.r.loss_abs_max and len(self.huge) < MAX_LINES_PER_HIT:
@@ -1073,6 +1114,9 @@ class NumberRules:
                 if len(self.big) < MAX_LINES_PER_HIT and (not self.big or self.big[-1] is not m):
                     self.big.append(m)
                 self.big_max = max(self.big_max, v)
+                self.big_after, self.big_loss = 0, m.loss
+            elif self.big:
+                self.big_after += 1
             if math.isfinite(v):
                 self.grad_finite_after += 1
                 if self.grad_bad:
@@ -1113,6 +1157,8 @@ class NumberRules:
                 self.kl_low = (m, name, v)
         elif v >= r.kl_max and self.kl_low is not None and self.kl_blow is None:
             self.kl_blow = (m, name, v)
+        elif v >= r.kl_first_max and "approx" in name.lower() and self.kl_blow is None:
+            self.kl_blow = (m, name, v)  # PPO's sampled KL: the first update can blow up, with no small KL before it
 
     def _scale(self, m: Metric, v: float):
         r = self.r
@@ -1237,6 +1283,17 @@ class NumberRules:
         """The lines of the NaN/inf grad norms the run recovered from (see _grad_transient); empty if it did not."""
         return (self.grad_bad_lines or set()) if self._grad_transient() else set()
 
+    def _big_transient(self) -> bool:
+        """Grad norms at or above grad_norm_max that the run came back from: went_on_records or more norms under the
+        limit logged after the last, no loss NaN/inf, and the last loss no higher than the loss beside that norm (the
+        first norms an fp16 or bf16 run logs among its scaler's skipped steps, 1e18 beside `inf`, while the loss
+        falls). A run whose loss climbed after its explosion, or broke, keeps the hit."""
+        need = self.comp.table.records.went_on_records
+        if not need or self.nonfinite or self.big_after < need:
+            return False
+        return self.big_loss is None or (self.loss_last is not None and math.isfinite(self.big_loss)
+                                         and self.loss_last <= self.big_loss)
+
     def _grad_transient(self) -> bool:
         """NaN/inf grad norms that were steps the fp16 loss scaler skipped, not the run diverging: the loss
         stayed finite, and the run logged nonfinite_recovered_logs finite norms after its last bad one, or as
@@ -1302,10 +1359,19 @@ class NumberRules:
             m0, name, v = self.huge[0]
             add("loss-magnitude", sorted({m.line: m for m, _, _ in self.huge}.values(), key=lambda x: x.line),
                 f"{'the loss' if name == 'loss' else name} reached {v:.3g} at line {m0.line} (limit {r.loss_abs_max:g}, either sign)")
-        if self.kl_blow:
+        if self.kl_blow and self.kl_low:
             (lm, _, lv), (bm, name, bv) = self.kl_low, self.kl_blow
             add("kl-blowup", [lm, bm], f"{name} reached {bv:g} at line {bm.line} after {lv:g} at line {lm.line} (kl_max {r.kl_max:g})")
-        if self.big:
+        elif self.kl_blow:
+            bm, name, bv = self.kl_blow
+            add("kl-blowup", [bm], f"{name} reached {bv:g} at line {bm.line} (kl_first_max {r.kl_first_max:g})")
+        if self.big and self._big_transient():
+            sig = comp.by_rule.get("grad-norm-explosion")
+            if sig is not None:
+                self.big_set_aside = Hit(sig, [(m.line, m.text) for m in self.big][:MAX_LINES_PER_HIT],
+                                         f"grad norm reached {self.big_max:.3g} (limit {r.grad_norm_max:g}), then "
+                                         f"{self.big_after} norms under it with the loss finite and no higher")
+        elif self.big:
             add("grad-norm-explosion", self.big, f"grad norm reached {self.big_max:.3g} (limit {r.grad_norm_max:g})")
         if self.floor and not self.floor_left:
             add("loss-scale-collapse", self.floor, f"the loss scale was cut to {self.floor_min:g} "
@@ -1486,7 +1552,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     head = last_traceback(log)
     threads = Threads()
     threads.feed(log)
-    bar_done = last_bar_done(log)
+    bar_done = max(last_bar_done(log) or 0, last_bar_ran(metrics, comp.table.records.went_on_records) or 0) or None
     dropped: list[Hit] = []
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
@@ -1576,6 +1642,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 tail_metrics.append(m)
                 record_lines.append(m.line)
                 prev = m
+            bar_done = max(bar_done or 0, last_bar_ran(tail_metrics, comp.table.records.went_on_records) or 0) or None
             tail = (tail + log.clean)[-TAIL_LINES:]
             first_line += len(log.lines)
             if not block:
