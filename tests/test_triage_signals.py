@@ -1437,3 +1437,80 @@ def test_a_failure_before_a_trainers_start_banner_belongs_to_an_earlier_launch()
     assert classify_text(relaunch + oom).failure_class == "oom"
     hf = "***** Running training *****\n  Num examples = 100\n{'loss': 2.1, 'epoch': 0.1}\n"
     assert classify_text(oom + hf).failure_class == "none"
+
+
+@pytest.mark.parametrize("name", ["none--b19qa-013.log", "none--b20qf-006.log", "none--b20qf-007.log",
+                                  "environment--b16jb-005.log", "none--dev19rb-010.log"])
+def test_progress_redraws_read_alike_with_their_carriage_returns_kept_turned_into_line_ends_or_dropped(name):
+    # Tools turn tqdm's carriage returns into line ends (a CI runner's log, a notebook export) or drop them (a web
+    # page's copy, GitHub's file view): each redraw then shows one postfix over many steps, or the redraws glue end to
+    # end. Either way the run is the same run. (Five development logs that a first reading of the turned forms got wrong.)
+    text = (LOGS / name).read_bytes().decode("utf-8", "replace").replace("\r\n", "\n")
+    kept = classify_text(text).failure_class
+    assert classify_text(text.replace("\r", "\n")).failure_class == kept
+    assert classify_text(text.replace("\r", "")).failure_class == kept
+
+
+def test_glued_redraws_are_read_as_their_last():
+    from finetune_mcp.triage.parse import clean_line
+    glued = "".join(f"epoch 41/50, batch {b}/2501, loss 0.0{b % 90 + 10:02d}" for b in range(1, 400, 20))
+    assert clean_line(glued) == "epoch 41/50, batch 381/2501, loss 0.031"
+    plain = "x" * 20 + " ".join(f"{i}" for i in range(200))  # a long line that does not repeat its start
+    assert clean_line(plain) == plain
+
+
+@pytest.mark.parametrize("name", ["env-nccl-watchdog-timeout-zero3.log", "oom-colab-kernel-restarted-tcmalloc-large-alloc.log",
+                                  "oom--tf115-windows-training-bfc-inuse-chunks.log", "divergence--dev3d-024.log",
+                                  "none--dev5f-002.log"])
+def test_a_log_captured_from_an_80_column_terminal_reads_as_the_log(name):
+    # tmux / screen captures and copies from a terminal window break each long line into pieces of the window's width.
+    # (Five development logs whose 80-column capture f3d253d read as another class.)
+    text = (LOGS / name).read_bytes().decode("utf-8", "replace").replace("\r\n", "\n")
+    wrapped = "\n".join(ln[i:i + 80] for ln in text.split("\n") for i in range(0, max(len(ln), 1), 80))
+    assert classify_text(wrapped).failure_class == classify_text(text).failure_class
+
+
+@pytest.mark.parametrize("name", ["divergence-dreamer-pytorch-named-losses-nan-table.log", "none--b20qg-002.log",
+                                  "divergence--dev12y-013.log", "divergence--dev5h-029.log"])
+def test_records_printed_to_one_width_are_not_a_wrapped_capture(name):
+    # A fixed-format line per step (caffe's solver, a numpy loop's `Iteration    0: Cost ...`, a logger's records, a
+    # table's rows): each such line is followed by another that starts as it does, which a wrap's continuation is not.
+    from finetune_mcp.triage.parse import wrap_width
+    lines = (LOGS / name).read_bytes().decode("utf-8", "replace").replace("\r\n", "\n").split("\n")
+    assert wrap_width(lines) is None
+
+
+def test_a_signal_named_as_the_shell_reports_it_ends_the_job():
+    # An LSF job's stderr (dev 22, ya-005): bars, then bash's report of SIGUSR2, the signal LSF sends at the run limit.
+    bars = "".join(f"sampling:  {i}%|█         | {i}/100 [00:00<00:00, 138.52it/s]\n" for i in range(10, 100, 10))
+    assert classify_text(bars + "User defined signal 2\n").failure_class == "environment"
+    assert classify_text(bars + "Epoch 3 was a user defined signal 2 of progress\n").failure_class == "none"
+
+
+def test_a_shell_that_could_not_start_the_command_failed_the_job():
+    # The whole log of dev 22 ya-021: the launcher script's path was wrong.
+    assert classify_text("bash: /lstm_train.bash: No such file or directory\n").failure_class == "environment"
+    assert classify_text("bash: line 3: torchrun: command not found\n").failure_class == "environment"
+    went = "bash: warn.sh: No such file or directory\n" + "".join(f"epoch {i} loss {2 - i / 10:.2f}\n" for i in range(12))
+    assert classify_text(went).failure_class == "none"
+
+
+def test_a_caught_error_before_the_scripts_own_training_complete_line_did_not_end_the_run():
+    # dev 22 ya-003: a missing config file, "using default", rewards per step, then "Completed training!".
+    head = "Error:  [Errno 2] No such file or directory: 'config/conf.json'\nloading form config failed: using default\n"
+    body = "".join(f"Step {i} reward {i / 10}\n" for i in range(5))
+    assert classify_text(head + body + "Completed training!\n").failure_class == "none"
+    assert classify_text(head + body).failure_class == "environment"
+
+
+def test_a_runs_own_collapse_guard_is_divergence():
+    # dev 22 ya-018: an SAC trainer's guard stops the run when the policy's log-probability turns positive.
+    guard = "[EARLY STOP] log_pi +0.003 > 0.0 at step 130,954. Policy collapsed. Saving emergency checkpoint.\n"
+    assert classify_text("step 130000 critic_loss 0.52\n" + guard + "Training complete.\n").failure_class == "divergence"
+
+
+def test_an_interval_setting_of_inf_in_a_config_dict_is_no_metric():
+    # DeepSpeed's config printed by a fine-tuning script (dev 22 ya-008): `'steps_per_print': inf`.
+    cfg = "ds_config: {'train_batch_size': 'auto', 'gradient_clipping': 1.0, 'steps_per_print': inf, 'bf16': {'enabled': True}}\n"
+    assert "nonfinite-metric" not in _find_ids(cfg)
+    assert "nonfinite-metric" in _find_ids("step 10 | q_value: 3.2 | value_estimate: inf\n")

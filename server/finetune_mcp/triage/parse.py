@@ -139,6 +139,22 @@ def _last_segment(line: str) -> str:
     return segs[-1] if segs else ""
 
 
+# A progress line redrawn with carriage returns that a tool dropped (GitHub's file view, a copy from a web page, a
+# notebook export) is its redraws glued end to end: `epoch 41/50, batch 1/2501, loss 0.0049epoch 41/50, batch 21/2501,
+# loss 0.0185...` or tqdm's `Epoch 0:   0%|...| 0/100 [00:00<?, ?it/s]Epoch 0:   1%|...`. A line over GLUED_MIN
+# characters whose first GLUED_NEEDLE characters recur at least GLUED_REPEATS times is read as those redraws.
+GLUED_MIN, GLUED_NEEDLE, GLUED_REPEATS = 300, 12, 3
+
+
+def _unglue(line: str) -> str:
+    """The line with a carriage return before each redraw glued to the one before it (see GLUED_MIN), or as it is."""
+    body = line.lstrip()
+    needle = body[:GLUED_NEEDLE]
+    if len(needle) < GLUED_NEEDLE or not any(ch.isalnum() for ch in needle) or body.count(needle) < GLUED_REPEATS:
+        return line
+    return line.replace(needle, "\r" + needle)
+
+
 def _earlier_bar(line: str) -> str:
     """The last redraw, before the one a terminal shows, that names a metric (cleaned), or ''."""
     segs = line.split("\r")
@@ -158,6 +174,8 @@ def clean_line(line: str) -> str:
     """One raw log line as the readers should see it (see the module docstring); never spans lines."""
     if "\r" in line:
         line = _last_segment(line)
+    elif len(line) > GLUED_MIN and (redrawn := _unglue(line)) is not line:
+        line = _last_segment(redrawn)
     if "\x1b" in line or "[" in line:
         line = _ANSI.sub("", line)
     pos = 0
@@ -188,12 +206,93 @@ def prefix_layers(line: str, most: int = 3) -> list[str]:
 _PREFIXES_AT_START = re.compile(r"(?m)^(?:" + _PREFIX.pattern.replace(r"\s*(?:", r"[ \t]*(?:", 1) + r")+[ \t]?")
 
 
+# A terminal's capture (tmux, screen, a copy from a terminal window) breaks every line longer than the window into
+# pieces of exactly its width: the longest lines of such a log are many, all of one length, and most end inside a
+# word. A log whose WRAP_MIN_COUNT or more longest lines (and WRAP_SHARE of its lines) share one length of WRAP_MIN_WIDTH or
+# more, most of them ending in a character other than a space and holding more than two kinds of character (not a
+# `=====` rule), and most of them followed by a line that does not start as they do, is read with each such line
+# joined to the lines that continue it.
+WRAP_MIN_WIDTH, WRAP_MAX_WIDTH, WRAP_MIN_COUNT, WRAP_SHARE = 60, 320, 3, 0.01
+
+
+def wrap_width(lines: list[str], lens: list[int] | None = None) -> int | None:
+    """The width a terminal wrapped the log's lines at (see WRAP_MIN_WIDTH), or None when nothing says it was; `lens`,
+    when given, are the lines' lengths."""
+    if len(lines) < WRAP_MIN_COUNT + 1:
+        return None
+    lens = list(map(len, lines)) if lens is None else lens
+    width = max(lens)
+    count = lens.count(width)
+    if not WRAP_MIN_WIDTH <= width <= WRAP_MAX_WIDTH or count < WRAP_MIN_COUNT or count < WRAP_SHARE * len(lines):
+        return None
+    at = [i for i, n in enumerate(lens) if n == width]
+    at = [i for i in at[::max(1, len(at) // WRAP_SAMPLE)] if len(set(lines[i])) > 2]  # (an even sample of them on a long
+    # log; not a `=====` rule, which is a banner's width)
+    if len({lines[i] for i in at}) < WRAP_MIN_COUNT:
+        return None  # one long line printed again and again, not a window's width
+    cut = sum(1 for i in at if not lines[i][-1].isspace())
+    # Records printed to one width (a fixed-format line per step, a table's rows) are followed by more of the same: the
+    # next line starts as they do. A wrapped line's continuation starts wherever the window cut it.
+    alike = sum(1 for i in at if i + 1 < len(lines) and _start(lines[i + 1], 2) == _start(lines[i], 2))
+    if cut * 2 <= len(at) or alike * 2 >= len(at):
+        return None
+    # Records printed to one width between other lines (`Ave Loss tensor(1.1198, ...)` then `Epoch 2 begin...`): the
+    # line after each is blank or one that starts other lines of the log too. A continuation starts like no other line.
+    after = set(i + 1 for i in at)
+    step = max(1, len(lines) // WRAP_SAMPLE)  # (how lines start, from an even sample of a long log's lines)
+    starts = {_start(lines[k], WRAP_START) for k in range(0, len(lines), step) if k not in after and lines[k].strip()}
+    usual = sum(1 for i in after if i < len(lines) and (not lines[i].strip() or _start(lines[i], WRAP_START) in starts))
+    return width if usual * 2 < len(after) else None
+
+
+def _start(line: str, n: int) -> str:
+    """How a line starts, its numbers as one digit (`10       1.70` starts as `1        2.42` does)."""
+    return _WRAP_DIGITS.sub("0", line[:n + 12])[:n]
+
+
+WRAP_START, WRAP_SAMPLE = 6, 400
+_WRAP_DIGITS = re.compile(r"\d+")
+
+
+def _unwrap(lines: list[str], width: int) -> list[str]:
+    """Each line of exactly `width` characters joined with the lines that continue it, at the first line's place; the
+    continuation lines left empty (the list keeps its length: line numbers stay the file's)."""
+    out = list(lines)
+    i = 0
+    while i < len(out) - 1:
+        if len(lines[i]) == width:
+            j = i + 1
+            while j < len(lines) - 1 and len(lines[j]) == width:
+                j += 1
+            out[i] = "".join(lines[i:j + 1])
+            for k in range(i + 1, j + 1):
+                out[k] = ""
+            i = j + 1
+        else:
+            i += 1
+    return out
+
+
 def clean_lines(lines: list[str]) -> list[str]:
     """clean_line over many lines at once: the escapes and prefixes removed by whole-text substitutions
     (the same result, far faster on a big log); lines with a carriage return are cleaned one by one."""
     text = "\n".join(lines)
     if "\r" in text:
         lines = [_last_segment(ln) if "\r" in ln else ln for ln in lines]
+        text = "\n".join(lines)
+    lens = list(map(len, lines))
+    if lens and max(lens) > GLUED_MIN:
+        changed = False
+        for i in [i for i, n in enumerate(lens) if n > GLUED_MIN]:
+            if (redrawn := _unglue(lines[i])) is not lines[i]:
+                if not changed:
+                    lines, changed = list(lines), True
+                lines[i] = _last_segment(redrawn)
+                lens[i] = len(lines[i])
+        if changed:
+            text = "\n".join(lines)
+    if (width := wrap_width(lines, lens)) is not None:
+        lines = _unwrap(lines, width)
         text = "\n".join(lines)
     if "\x1b" in text or "[" in text:
         text = _ANSI.sub("", text)
@@ -718,8 +817,8 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
         if len(clean) < 40 and "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
             table.epoch = float(head.group(1))  # Keras' `Epoch 3/10`: the records under it are that epoch's
             continue
-        if i in code:
-            continue
+        if i in code or (not clean and lines[i]):
+            continue  # (a line the cleaner emptied - a wrapped line's continuation, joined to the line before - is no gap)
         if table.setting_indent is not None:
             if len(clean) - len(clean.lstrip()) > table.setting_indent:
                 continue  # a value under a settings block's header (`  LOSS_WEIGHTS:` / `    loss_jloc: 8.0`)
@@ -875,7 +974,15 @@ def same_record(a: Metric, b: Metric) -> bool:
     """Whether b repeats a (the same step's numbers, as a tqdm redraw prints them twice); Keras' last batch of
     each epoch (`211/211 ... loss: inf`) is another record when the epoch differs."""
     if a.step is None or b.step is None or a.step != b.step:
+        if a.step is not None and b.step is not None and "%|" in a.text and "%|" in b.text and _same_numbers(a, b):
+            # tqdm redraws its bar on a timer and its postfix only when the loop sets it: with the carriage returns
+            # turned into line ends (a CI runner's log, a notebook export), one postfix shows on many steps' redraws.
+            return True
         return _seen(a) == _seen(b)
+    return _same_numbers(a, b)
+
+
+def _same_numbers(a: Metric, b: Metric) -> bool:
     return all(_eq(getattr(a, f), getattr(b, f)) for f in ("loss", "grad_norm", "eval_loss", "epoch")) and (
         a.named.keys() == b.named.keys() and all(_eq(a.named[k], b.named[k]) for k in a.named))
 
