@@ -12,13 +12,17 @@ import pytest
 from conftest import REPO
 
 
-def test_readme_tool_reference_in_sync():
+def test_readme_tool_reference_in_sync(tmp_path, monkeypatch):
+    import tempfile
+
     from finetune_mcp.toolref import BEGIN, END, render
 
     readme = (REPO / "README.md").read_text()
     assert BEGIN in readme and END in readme
     current = readme[readme.index(BEGIN): readme.index(END) + len(END)]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert current == render(), "README tool reference is stale: regenerate with `finetune-mcp tool-reference`"
+    assert not list(tmp_path.iterdir())  # the throwaway workspaces it listed the tools in are gone
 
 
 def test_readme_names_the_ci_test_command():

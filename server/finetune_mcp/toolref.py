@@ -30,8 +30,9 @@ async def _tools(role: str):
     from finetune_mcp.workspace import Workspace
     import tempfile
 
-    ws = Workspace.from_env({"DGX_SPARK_ROOT": tempfile.mkdtemp(prefix="toolref-")})
-    return await build_server(role, ws).list_tools()
+    with tempfile.TemporaryDirectory(prefix="toolref-") as root:  # (a throwaway workspace: gone after the listing)
+        ws = Workspace.from_env({"DGX_SPARK_ROOT": root})
+        return await build_server(role, ws).list_tools()
 
 
 def render() -> str:
