@@ -288,9 +288,9 @@ def clean_lines(lines: list[str]) -> list[str]:
                 if not changed:
                     lines, changed = list(lines), True
                 lines[i] = _last_segment(redrawn)
-                lens[i] = len(lines[i])
         if changed:
             text = "\n".join(lines)
+            lens = list(map(len, lines))
     if (width := wrap_width(lines, lens)) is not None:
         lines = _unwrap(lines, width)
         text = "\n".join(lines)

@@ -701,7 +701,7 @@ def _set_aside_transients(by_id: dict[str, Hit], rules: "NumberRules") -> list[H
     fp16 scaler skipped and every line they quote is one of those records, so HF Trainer's `'grad_norm': nan`
     dicts read as its log history saved as CSV does; Megatron's "number of nan iterations" or any other line
     keeps the hit. A NaN/inf loss is never set aside: numbers that went wrong stay wrong."""
-    big = [rules.big_set_aside] if rules.big_set_aside is not None else []
+    big = [came_back] if (came_back := rules.big_set_aside()) is not None else []
     lines = rules.transient_lines()
     sig = rules.comp.by_rule.get("nonfinite-grad-norm")
     if not lines or sig is None:
@@ -889,7 +889,6 @@ class NumberRules:
         self.big_max = 0.0
         self.big_after = 0  # finite grad norms under grad_norm_max logged since the last one at or above it
         self.big_loss: float | None = None  # the loss of the record with the last grad norm at or above it
-        self.big_set_aside: Hit | None = None
         self.huge: list[tuple[Metric, str, float]] = []
         self._adv: dict[str, bool] = {}
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
@@ -1283,6 +1282,15 @@ class NumberRules:
         """The lines of the NaN/inf grad norms the run recovered from (see _grad_transient); empty if it did not."""
         return (self.grad_bad_lines or set()) if self._grad_transient() else set()
 
+    def big_set_aside(self) -> "Hit | None":
+        """The grad-norm-explosion hit the run came back from (see _big_transient), set aside; None if there is none."""
+        sig = self.comp.by_rule.get("grad-norm-explosion")
+        if not self.big or sig is None or not self._big_transient():
+            return None
+        return Hit(sig, [(m.line, m.text) for m in self.big][:MAX_LINES_PER_HIT],
+                   f"grad norm reached {self.big_max:.3g} (limit {self.r.grad_norm_max:g}), then "
+                   f"{self.big_after} norms under it with the loss finite and no higher")
+
     def _big_transient(self) -> bool:
         """Grad norms at or above grad_norm_max that the run came back from: went_on_records or more norms under the
         limit logged after the last, no loss NaN/inf, and the last loss no higher than the loss beside that norm (the
@@ -1365,13 +1373,7 @@ class NumberRules:
         elif self.kl_blow:
             bm, name, bv = self.kl_blow
             add("kl-blowup", [bm], f"{name} reached {bv:g} at line {bm.line} (kl_first_max {r.kl_first_max:g})")
-        if self.big and self._big_transient():
-            sig = comp.by_rule.get("grad-norm-explosion")
-            if sig is not None:
-                self.big_set_aside = Hit(sig, [(m.line, m.text) for m in self.big][:MAX_LINES_PER_HIT],
-                                         f"grad norm reached {self.big_max:.3g} (limit {r.grad_norm_max:g}), then "
-                                         f"{self.big_after} norms under it with the loss finite and no higher")
-        elif self.big:
+        if self.big and not self._big_transient():
             add("grad-norm-explosion", self.big, f"grad norm reached {self.big_max:.3g} (limit {r.grad_norm_max:g})")
         if self.floor and not self.floor_left:
             add("loss-scale-collapse", self.floor, f"the loss scale was cut to {self.floor_min:g} "
