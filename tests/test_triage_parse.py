@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune_mcp.triage.classify import classify_text
 from finetune_mcp.triage.parse import (KeyMap, Metric, carries, clean_line, dedupe, normalise_key, parse_line, parse_records, parse_text,
                                         to_number)
 from finetune_mcp.triage.signals import load_signal_table
@@ -246,6 +247,34 @@ def test_an_average_from_batch_a_to_b_is_the_number_after_is():
     # DuReader's TF baseline (dev, retired blind 21 sa-014): `Average loss from batch 51 to 100 is 8.84`.
     m = parse_line(Metric(1, "x"), KEYS, "Average loss from batch 51 to 100 is 8.840906867980957")
     assert (m.step, m.loss, m.loss_key) == (100.0, 8.840906867980957, "average loss")
+
+
+def test_a_loss_for_an_epoch_is_the_number_after_the_colon():
+    # Retired blind 24 xb-012: `Loss on train for epoch 3: 0.99` (the epoch number was read as the loss, and the
+    # hundredth epoch as a rise from 1 to 100).
+    m = parse_line(Metric(1, "x"), KEYS, "Loss on train for epoch 100: 0.9980675049126149")
+    assert (m.epoch, m.named) == (100.0, {"loss:loss on train": 0.9980675049126149})
+    v = parse_line(Metric(1, "x"), KEYS, "Loss on validation for epoch 2: 1.0130228568346074")
+    assert (v.epoch, v.named) == (2.0, {"eval_loss:loss on validation": 1.0130228568346074})
+    text = "".join(f"Loss on train for epoch {e}: {1 + (e % 3) / 100}\nLoss on validation for epoch {e}: 1.01\n" for e in range(1, 101))
+    assert classify_text(text).failure_class == "none"
+
+
+def test_keras_bars_after_the_epochs_closing_bar_are_evaluation():
+    # Retired blind 24 xb-016: model.fit's epochs, then model.evaluate() on two test sets; the second set's loss (16.1)
+    # is no training loss risen from the epoch's 0.02.
+    fit = "".join(f"Epoch {e}/3\n" + "".join(f"{k}/4 [====>....] - ETA: 1s - loss: {0.3 / e:.4f} - accuracy: 0.9\n" for k in range(1, 4))
+                  + f"4/4 [==============================] - 35s 719ms/step - loss: {0.3 / e:.4f} - accuracy: 0.9 - val_loss: 0.2\n"
+                  for e in range(1, 4))
+    evaluate = ("1/1 [==============================] - ETA: 0s - loss: 16.1259 - accuracy: 0.5000\n"
+                "1/1 [==============================] - 1s 1s/step - loss: 16.1259 - accuracy: 0.5000\n")
+    ms = parse_text(fit + evaluate, KEYS)
+    assert (ms[-1].eval_loss, ms[-1].loss) == (16.1259, None)
+    assert [m.loss for m in ms[:-1]] == [0.3, 0.3, 0.3, 0.3, 0.15, 0.15, 0.15, 0.15, 0.1, 0.1, 0.1, 0.1]
+    assert classify_text(fit + evaluate).failure_class == "none"
+    # a bar under a new `Epoch N/M` line is training again
+    more = "Epoch 4/4\n1/1 [==============================] - ETA: 0s - loss: 16.1259\n"
+    assert parse_text(fit + evaluate + more, KEYS)[-1].loss == 16.1259
 
 
 def test_a_metric_at_a_step_is_read_after_its_colon():

@@ -467,6 +467,17 @@ def test_a_loss_past_the_magnitude_limit_either_sign():
     assert "loss-magnitude" not in _ids(_losses([lim / 10, lim / 20]))
 
 
+def test_a_loss_that_starts_past_the_limit_and_falls_far_is_on_a_scale_of_its_own():
+    # Retired blind 24 xc-022: a beta-VAE's summed loss on raw data starts at 2.9e8 and ends near 1e4.
+    lim, fall = RULES.loss_abs_max, RULES.huge_fall_factor
+    start = lim * 2.93
+    assert "loss-magnitude" not in _ids(_losses([start, start / 2, start / 50, start / fall]))
+    assert "loss-magnitude" in _ids(_losses([start, start / 2, start / 50, start / fall * 2]))  # fell, but not far enough
+    assert "loss-magnitude" in _ids(_losses([start, start / fall, start * 1.5, start / fall]))  # past where it started
+    assert "loss-magnitude" in _ids(_losses([2.0, start, start / fall]))  # it did not start there
+    assert "loss-magnitude" not in _ids([Metric(i, "x", named={"kl:kl": v}) for i, v in enumerate([start, start / fall], 1)])
+
+
 def test_kl_blowup_after_small_kls_only():
     small, big = RULES.kl_max / RULES.kl_rise_factor, RULES.kl_max
     ms = [Metric(i + 1, "x", named={"kl:approx kl": v}) for i, v in enumerate([small, small / 2, big * 4])]
@@ -1493,6 +1504,58 @@ def test_a_shell_that_could_not_start_the_command_failed_the_job():
     assert classify_text("bash: line 3: torchrun: command not found\n").failure_class == "environment"
     went = "bash: warn.sh: No such file or directory\n" + "".join(f"epoch {i} loss {2 - i / 10:.2f}\n" for i in range(12))
     assert classify_text(went).failure_class == "none"
+
+
+def test_a_scripts_own_shell_error_and_parsers_that_refused_the_command_line_failed_the_job():
+    # Retired blind 24: bash names the script it runs (xa-007), argparse a prog of the script's choosing (xb-006),
+    # Hydra a config directory that is not there (xa-022).
+    banner = "nohup: ignoring input\n==========\nBaseline run\n==========\n"
+    assert classify_text(banner + "./scripts/run_baseline.sh: line 27: cd: /home/u/state: No such file or directory\n"
+                         ).failure_class == "environment"
+    assert classify_text(banner + "Loading /home/u/state: no such run yet, starting fresh\n").failure_class == "none"
+    usage = "usage: ConvNeXt training and evaluation script [-h] [--batch_size BATCH_SIZE]\n"
+    assert classify_text(usage + "ConvNeXt training and evaluation script: error: unrecognized arguments: --lr0 3\n"
+                         ).failure_class == "environment"
+    assert classify_text(usage + "changelog: the old launcher's error: unrecognized arguments: --lr0 is fixed\n").failure_class == "none"
+    hydra = ("Primary config directory not found.\nCheck that the config directory '/home/u/case_studies/z/' exists and "
+             "readable\n\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
+    assert classify_text("nohup: ignoring input\n" + hydra).failure_class == "environment"
+    # Hydra's line under an exception no other rule names still fails the run, by the fallback
+    assert classify_text("epoch 1 loss 2.1\nKeyError: 'lr'\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete "
+                         "stack trace.\n").failure_class == "environment"
+
+
+def test_a_wandb_sweep_agent_stopped_by_ctrl_c_is_a_deliberate_stop():
+    # Retired blind 24 xc-016: a sweep run's loss lines, then the agent's own words for the keystroke.
+    rows = "".join(f"0m {i}s (- 14m 1s) ({i * 100} {i}%) {2.9 - i / 50:.4f}\n" for i in range(1, 8))
+    r = classify_text(rows + "\x1b[34m\x1b[1mwandb\x1b[39m\x1b[22m: Ctrl + C detected. Stopping sweep.\n")
+    assert (r.failure_class, r.healthy_or_unrecognised, r.signals) == ("none", "stopped", ["user-interrupt"])
+
+
+def test_old_torchs_terse_host_allocation_failure_is_oom():
+    # Retired blind 24 xa-012: PyTorch 0.4 on CPU, loss.backward() -> "RuntimeError: can't alloc", after a loss that
+    # rose (the rise is the runner-up, the allocator decides).
+    rows = "".join(f"iter {i} loss {0.5 + i / 10:.2f}\n" for i in range(30))
+    frame = "Traceback (most recent call last):\n  File \"train.py\", line 82, in <module>\n    loss.backward()\n"
+    r = classify_text(rows + frame + "RuntimeError: can't alloc\n")
+    assert r.failure_class == "oom" and "cpu-allocator-oom" in r.signals
+    assert classify_text(rows + frame + "RuntimeError: can't alloc more workers\n").failure_class != "oom"
+
+
+def test_numbas_object_mode_warning_quoting_a_typing_error_is_no_failure():
+    # Retired blind 24 xa-011: numba's warning quotes, indented, the typing errors it fell back from; training goes on.
+    warning = ("/w/geometry.py:229: NumbaWarning: \x1b[1m\nCompilation is falling back to object mode WITH looplifting "
+               "enabled because Function \"points_in_convex_polygon_jit\" failed type inference due to: No implementation\n"
+               "\x1b[1m   - Of which 2 did not match due to:\n   Rejected as the implementation raised a specific error:\n"
+               "      NumbaTypeError: \x1b[1mUnsupported array index type list(int64)\x1b[0m\n"
+               "     TypingError: Failed in nopython mode pipeline (step: nopython frontend)\n"
+               "  raised from /usr/lib/numba/core/typing/arraydecl.py:102\n")
+    rows = "".join(f"2024-04-12 04:18:{i:02d},968 - INFO - epoch[1][{i * 20}/1856]: lr: 0.0003, loss: {40 / i:.3f}\n"
+                   for i in range(1, 5))
+    assert classify_text(warning + rows).failure_class == "none"
+    # the same typing error raised, unindented, is the run's failure
+    assert classify_text(rows + "numba.core.errors.TypingError: Failed in nopython mode pipeline (step: nopython frontend)\n"
+                         ).failure_class == "environment"
 
 
 def test_a_caught_error_before_the_scripts_own_training_complete_line_did_not_end_the_run():

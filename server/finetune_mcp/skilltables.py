@@ -412,6 +412,8 @@ class RecordRules(Strict):
     scale_settled_logs: int = Field(2, ge=1, description="logged scales without a cut before a halving run counts (not the scaler's start-up search)")
     kill_memory_fraction: float = Field(0.5, gt=0, le=1, description="a kill with memory in use below this fraction of the limit is not evidence of OOM")
     loss_abs_max: float = Field(1e8, gt=0, description="a logged loss of this size or more, either sign, is broken numbers")
+    huge_fall_factor: float = Field(100.0, gt=1, description="a loss that starts at loss_abs_max or more and whose last value is "
+                                                              "this many times smaller was on a scale of its own, not broken")
     kl_max: float = Field(1.0, gt=0, description="a logged KL at or above this, after small ones, is a policy collapse")
     kl_rise_factor: float = Field(20.0, gt=1, description="the KL before it was at most kl_max / this")
     rl_fit_explained_variance: float = Field(0.5, gt=0, le=1, description="a reinforcement-learning loss whose value head's "

@@ -33,7 +33,7 @@ _NUM_C = r"-?nan|" + _NUM  # a C printf's NaN: `-nan`
 # A torch tensor printed whole (`Loss: tensor(2.3456, device='cuda:0', grad_fn=<AddBackward0>)`, `tensor([nan])`)
 # is its number: plain PyTorch loops print the loss that way.
 _PAIR = re.compile(r"(?P<key>[A-Za-z_\[][\w\[\]/.\- ]{0,48}?)['\"]?(?:\s*\([\w .,%/=-]{1,40}\))?\s*(?:[:=]\s*['\"]?\[?|\s+)(?:tensor\(\[{0,2})?\[?(?P<val>" + _NUM + r")(?![\w.])", re.I)
-_AT_STEP = re.compile(r"(?P<key>[A-Za-z][\w/.\- ]{0,48}?) (?:at|from) (?P<unit>step|iteration|iter|epoch|batch) (?:\d+ to )?"
+_AT_STEP = re.compile(r"(?P<key>[A-Za-z][\w/.\- ]{0,48}?) (?:at|from|for) (?P<unit>step|iteration|iter|epoch|batch) (?:\d+ to )?"
                       r"(?P<n>\d+)(?:\s*[:=]|\s+is)\s*(?P<val>" + _NUM + r")(?![\w.])", re.I)
 # A source file's name right before the pair's separator: the number after it is a line of that file.
 _SOURCE_FILE = re.compile(r"\.(?:py|pyx|cc|cpp|cxx|c|h|hpp|cu|cuh|go|rs|java|js|ts)$", re.I)
@@ -669,6 +669,7 @@ class MetricTable:
         self.csv = False  # the header read was a CSV one: its rows have commas and no other separator
         self.epoch: float | None = None  # the epoch the last `Epoch 3/10` line announced
         self.evaluating = False  # the last progress line was an evaluation loop's (`Test: [10/242]`), not a training one's
+        self.fit_closed = False  # Keras: the epoch the last `Epoch 3/10` announced printed its closing bar (see line_metrics)
         self.setting_indent: int | None = None  # inside a config dump's settings block (`LOSS_WEIGHTS:`): its header's indent
         self.spaced = False  # the header read was a space-aligned one (fastai's): its rows are split on whitespace
         self.vertical: Metric | None = None  # the open key | value table's record, given out when the table ends
@@ -769,10 +770,10 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
             found |= _assign(m, keys, normalise_key(k), v)
         if found:
             m.source = "tuples"
-    if not m.source and (" at " in line or " from " in line) and (at := _AT_STEP.search(line)) and _assign(
+    if not m.source and (" at " in line or " from " in line or " for " in line) and (at := _AT_STEP.search(line)) and _assign(
             m, keys, at.group("key"), at.group("val")):
         # `Training average loss at step 15000: 0.091801` (KGE trainers, RotatE's logging), `Average loss from batch
-        # 51 to 100 is 8.84` (DuReader's baselines): the number after the step word is where the run is, the one
+        # 51 to 100 is 8.84` (DuReader's baselines), `Loss on train for epoch 3: 0.99`: the number after the step word is where the run is, the one
         # after the colon or "is" the metric (the pair reader would take the step).
         setattr(m, "epoch" if at.group("unit").lower() == "epoch" else "step", float(at.group("n")))
         m.source = "pairs"
@@ -816,6 +817,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
             yield rec  # a key | value table ends at its closing rule
         if len(clean) < 40 and "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
             table.epoch = float(head.group(1))  # Keras' `Epoch 3/10`: the records under it are that epoch's
+            table.fit_closed = False
             continue
         if i in code or (not clean and lines[i]):
             continue  # (a line the cleaner emptied - a wrapped line's continuation, joined to the line before - is no gap)
@@ -837,11 +839,18 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
                 continue
         if clean[:1] in "TtVvEe[" and (phase := _PHASE.match(clean)):
             table.evaluating = phase.group(1) is not None or phase.group(2) is not None
+        keras_eval = False
+        if table.epoch is not None and clean[:8].lstrip()[:1].isdigit() and (bar := _KERAS_BAR.match(clean)):
+            # Keras: a progress bar after the epoch's closing bar (`49/49 [====] - 35s 719ms/step - loss: ...`) with
+            # no `Epoch N/M` line between is a model.evaluate() or predict() after fit, not a training step.
+            keras_eval = table.fit_closed
+            if bar.group(1) == bar.group(2) and "/step" in clean:
+                table.fit_closed = True
         m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
         if carries(m):
             if m.epoch is None:
                 m.epoch = table.epoch
-            if table.evaluating:
+            if table.evaluating or keras_eval:
                 _as_evaluation(m)
             yield m
     if end and (rec := table.flush()) is not None:
@@ -871,6 +880,8 @@ def _as_evaluation(m: Metric) -> None:
 
 # A line that only announces the epoch its next records belong to (Keras' model.fit, many plain loops).
 _EPOCH_HEADER = re.compile(r"\s*Epoch\s*:?\s*(\d+)\s*/\s*\d+\s*:?\s*$", re.I)
+# Keras' progress bar: `14/49 [=====>.....] - ETA: 9s - loss: ...` (Keras 2), `14/49 ━━━━━━━━━━ 9s ...` (Keras 3).
+_KERAS_BAR = re.compile(r"\s*(\d+)/(\d+) (?:\[[=>.]+\]|[━─]+)")
 
 
 # IPython's traceback frame header: IPython 8's `File /x/trainer.py:2555, in Trainer._inner_training_loop(...)` and

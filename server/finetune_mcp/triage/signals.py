@@ -890,6 +890,8 @@ class NumberRules:
         self.big_after = 0  # finite grad norms under grad_norm_max logged since the last one at or above it
         self.big_loss: float | None = None  # the loss of the record with the last grad norm at or above it
         self.huge: list[tuple[Metric, str, float]] = []
+        self.huge_start: list[tuple[Metric, str, float]] = []  # huge, but no bigger than where that loss started (see _huge)
+        self.ends: dict[str, list[float]] = {}  # each loss's (and KL's) first and last finite value
         self._adv: dict[str, bool] = {}
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
         self.game_over: tuple | None = None  # (discriminator, generator): the discriminator won (discriminator-won)
@@ -1067,16 +1069,15 @@ class NumberRules:
                     self._bad(m, name)
                 elif kind == "kl":
                     self._kl(m, name, v)
-                    if abs(v) >= self.r.loss_abs_max and len(self.huge) < MAX_LINES_PER_HIT:
-                        self.huge.append((m, name, v))  # a VAE's KL_loss at 3e15 is broken numbers like any loss
+                    self._huge(m, name, v)  # a VAE's KL_loss at 3e15 is broken numbers like any loss
             elif kind == "grad_norm":
                 grads.append((name, v))
             elif kind == "loss_scale" and m.loss_scale is None and (name in self.scale_names or _scaler_value(v)):
                 self.scale_names.add(name)  # a bare `scale` is a loss scale once it held a power of two, as scalers do
                 scales.append(v)
         for name, v in losses:
-            if math.isfinite(v) and abs(v) >= self.r.loss_abs_max and len(self.huge) < MAX_LINES_PER_HIT:
-                self.huge.append((m, name, v))
+            if math.isfinite(v):
+                self._huge(m, name, v)
             if not math.isfinite(v):
                 if name == "loss" and self.losses == 1 and self.records == 1 and (m.epoch == 0 or m.step == 0):
                     self.empty_mean = m
@@ -1148,6 +1149,24 @@ class NumberRules:
                 if g.head_median() > 0 and g.tail_median() >= r.game_g_rise * g.head_median():
                     return d, g
         return None
+
+    def _huge(self, m: Metric, name: str, v: float) -> None:
+        """Keep a finite loss (or KL) value of loss_abs_max or more as loss-magnitude evidence. One no bigger than the
+        loss's first value is kept aside: a loss that starts that big (a sum over pixels, a beta-VAE on raw data) and
+        falls by huge_fall_factor or more by its last value was on a scale of its own, not broken (_fell_from_start)."""
+        ends = self.ends.get(name)
+        if ends is None:
+            ends = self.ends[name] = [v, v]
+        ends[1] = v
+        if abs(v) < self.r.loss_abs_max:
+            return
+        kept = self.huge_start if abs(v) <= abs(ends[0]) else self.huge
+        if len(kept) < MAX_LINES_PER_HIT:
+            kept.append((m, name, v))
+
+    def _fell_from_start(self, name: str) -> bool:
+        first, last = self.ends[name]
+        return abs(last) * self.r.huge_fall_factor <= abs(first)
 
     def _kl(self, m: Metric, name: str, v: float):
         r = self.r
@@ -1363,9 +1382,11 @@ class NumberRules:
                 add("loss-rise", [low_m, last_m], f"{what} rose from its minimum {low_v:g} (line {low_m.line}) to {last_v:g} "
                                                   f"(line {last_m.line}), {last_v / low_v:.1f}x")
                 break
-        if self.huge:
-            m0, name, v = self.huge[0]
-            add("loss-magnitude", sorted({m.line: m for m, _, _ in self.huge}.values(), key=lambda x: x.line),
+        huge = self.huge + [h for h in self.huge_start if not self._fell_from_start(h[1])]
+        if huge:
+            huge.sort(key=lambda h: h[0].line)
+            m0, name, v = huge[0]
+            add("loss-magnitude", sorted({m.line: m for m, _, _ in huge}.values(), key=lambda x: x.line),
                 f"{'the loss' if name == 'loss' else name} reached {v:.3g} at line {m0.line} (limit {r.loss_abs_max:g}, either sign)")
         if self.kl_blow and self.kl_low:
             (lm, _, lv), (bm, name, bv) = self.kl_low, self.kl_blow
@@ -1456,16 +1477,17 @@ def _value(m: Metric, name: str) -> float:
 # --- failure evidence --------------------------------------------------------------------------
 
 
-def last_exception(log: Log) -> tuple[int, str] | None:
+def last_exception(log: Log, comp: Compiled) -> tuple[int, str] | None:
+    """The last exception line (1-based in the whole log, and its text) that is not a benign_lines line (Numba's
+    warning quoting, indented, the typing error it fell back from)."""
     if not _EXCEPTION_WORD.search(log.text):
         return None
-    last = None
-    for last in _EXCEPTION_M.finditer(log.text):
-        pass
-    if last is None:
-        return None
-    i = log.line_of(last.start())
-    return i + log.first_line, log.lines[i]
+    found = list(_EXCEPTION_M.finditer(log.text))
+    for last in reversed(found):
+        i = log.line_of(last.start())
+        if not comp.benign or not any(b.search(log.clean[i]) for b in comp.benign):
+            return i + log.first_line, log.lines[i]
+    return None
 
 
 def last_traceback(log: Log) -> int | None:
@@ -1550,7 +1572,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     finished = last_finished(log, comp)
     launched = last_launch(log, comp)
     cell_frame = last_cell_frame(log)
-    exc = last_exception(log)
+    exc = last_exception(log, comp)
     head = last_traceback(log)
     threads = Threads()
     threads.feed(log)
@@ -1629,7 +1651,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             level_marked = level_marked or bool(level)
             marked |= level
             markers = _ends(markers + [(i + first_line, log.lines[i]) for i in sorted(marked)])
-            exc = last_exception(log) or exc
+            exc = last_exception(log, comp) or exc
             head = last_traceback(log) or head
             threads.feed(log)
             bar_done = last_bar_done(log) or bar_done
