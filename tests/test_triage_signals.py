@@ -1532,6 +1532,32 @@ def test_a_wandb_sweep_agent_stopped_by_ctrl_c_is_a_deliberate_stop():
     assert (r.failure_class, r.healthy_or_unrecognised, r.signals) == ("none", "stopped", ["user-interrupt"])
 
 
+def test_a_trackers_thread_dying_after_training_ran_to_its_end_is_no_failure():
+    # Development 23 yc-010: Lightning's fit ends, the test runs, wandb syncs; then wandb's network-status thread
+    # dies on the closed socket.
+    fit = "".join(f"Epoch {e}: 100%|##########| 10/10 [00:01<00:00, loss=0.{9 - e}]\n" for e in range(3))
+    done = "`Trainer.fit` stopped: `max_epochs=3` reached.\nwandb: Find logs at: ./wandb/run-1/logs\n"
+    thread = ("Exception in thread NetStatThr:\nTraceback (most recent call last):\n"
+              "  File \"/env/lib/python3.10/site-packages/wandb/sdk/lib/sock_client.py\", line 130, in _sendall_with_error_handle\n"
+              "    sent = self._sock.send(data)\nBrokenPipeError: [Errno 32] Broken pipe\n")
+    assert classify_text(fit + done + thread).failure_class == "none"
+    assert classify_text(fit + thread).failure_class == "environment"  # no end of training before it
+    main = "Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n    save()\nOSError: disk quota exceeded\n"
+    assert classify_text(fit + done + thread + main).failure_class == "environment"  # the main program failed too
+
+
+def test_kaldis_error_level_and_mpis_abort_fail_the_job():
+    # Seventh wordings list: Kaldi's KALDI_ERR format and Open MPI's report of a rank that exited non-zero.
+    kaldi = ("ERROR (nnet3-chain-train[5.5.1068~1-4b9ee]:SelectGpuId():cu-device.cc:214) Failed to create CUDA context, "
+             "no more unused GPUs?\n")
+    assert classify_text("LOG (nnet3-chain-train[5.5]:main():nnet3-chain-train.cc:72) Reading model\n" + kaldi
+                         ).failure_class == "environment"
+    assert classify_text("LOG (nnet3-chain-train[5.5]:main():x.cc:72) no ERROR (x) here\n").failure_class == "none"
+    mpi = ("Primary job  terminated normally, but 1 process returned\na non-zero exit code. Per user-direction, the job has "
+           "been aborted.\n")
+    assert classify_text("epoch 1 loss 0.5\n" + mpi).failure_class == "environment"
+
+
 def test_old_torchs_terse_host_allocation_failure_is_oom():
     # Retired blind 24 xa-012: PyTorch 0.4 on CPU, loss.backward() -> "RuntimeError: can't alloc", after a loss that
     # rose (the rise is the runner-up, the allocator decides).

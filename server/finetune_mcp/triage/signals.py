@@ -115,15 +115,18 @@ class Threads:
     ignored_headers: int = 0
     tracebacks: int = 0
     lines_after: int = 0
+    first_thread_at: int | None = None  # the line (1-based, whole log) of the first "Exception in thread" header
 
     def feed(self, log: "Log") -> None:
         if (self.thread_headers == 0 and "Exception in thread " not in log.text
                 and "Exception ignored in" not in log.text):
             self.tracebacks += log.text.count("Traceback (most recent call last)")
             return
-        for line in log.clean:
+        for i, line in enumerate(log.clean):
             if line.startswith("Exception in thread "):
                 self.thread_headers += 1
+                if self.first_thread_at is None:
+                    self.first_thread_at = i + log.first_line
             elif line.startswith("Exception ignored in"):
                 self.ignored_headers += 1
             elif line.startswith("Traceback (most recent call last)"):
@@ -138,6 +141,13 @@ class Threads:
         if not 0 < self.tracebacks <= self.thread_headers + self.ignored_headers:
             return False
         return self.lines_after > 0 or self.thread_headers == 0
+
+    def only_threads_after(self, line: int | None) -> bool:
+        """Every traceback is a thread's, the first of them after `line` (where training said it ran to its end):
+        a tracker's or a prefetcher's thread dying while the finished program shuts down (wandb's NetStatThr on a
+        closed socket), not the run failing."""
+        return bool(line and self.first_thread_at and self.first_thread_at > line
+                    and 0 < self.tracebacks <= self.thread_headers + self.ignored_headers)
 
 
 # --- the table ---------------------------------------------------------------------------------
@@ -480,7 +490,8 @@ class Findings:
                    for h in self.hits)
         if kill or (self.exit_code not in (None, 0)) or self.exit_signal:
             return True
-        return bool(self.markers or self.exception) and not self.went_on and not self.threads.only_threads_failed
+        return (bool(self.markers or self.exception) and not self.went_on and not self.threads.only_threads_failed
+                and not self.threads.only_threads_after(self.finished_at))
 
 
 # --- word signals ------------------------------------------------------------------------------
