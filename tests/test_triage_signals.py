@@ -467,6 +467,18 @@ def test_a_loss_past_the_magnitude_limit_either_sign():
     assert "loss-magnitude" not in _ids(_losses([lim / 10, lim / 20]))
 
 
+def test_a_loss_that_only_counts_up_by_whole_steps_is_an_index_read_as_a_loss():
+    # Retired blind 24 xb-012 before its format was read: `Loss on train for epoch 100: 0.998` gave the loss 1, 2 ... 100.
+    # Any reader that takes an epoch or step number for the value makes such a series; no curve rule reads it.
+    window = RULES.rise_window
+    assert "loss-rise" not in _ids(_losses([float(e) for e in range(1, 101)]))
+    assert "loss-rise" not in _ids(_losses([float(e) for e in range(10, 1010, 10)]))
+    assert "loss-rise" in _ids(_losses([float(e) for e in range(1, 101)] + [102.0]))  # one uneven step: a curve again
+    assert "loss-rise" in _ids(_losses([float(e) for e in range(1, window)]))  # fewer than rise_window values: a curve
+    text = "".join(f"Loss of epoch {e}: {1 + (e % 3) / 100}\n" for e in range(1, 60))
+    assert classify_text(text).failure_class == "none"
+
+
 def test_a_loss_that_starts_past_the_limit_and_falls_far_is_on_a_scale_of_its_own():
     # Retired blind 24 xc-022: a beta-VAE's summed loss on raw data starts at 2.9e8 and ends near 1e4.
     lim, fall = RULES.loss_abs_max, RULES.huge_fall_factor

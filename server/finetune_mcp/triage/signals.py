@@ -760,6 +760,9 @@ class _Series:
         self.rewards_first: list[float] = []
         self.rewards_last: deque[float] = deque(maxlen=rules.rise_window)
         self.ev_last: deque[float] = deque(maxlen=rules.rise_window)  # the value head's latest explained variances
+        # The step of a series that so far only counted up by one whole number (1, 2, 3 ...), None before its second
+        # value, False once it did anything else (see counter).
+        self.count_step: float | None | bool = None
 
     def feed(self, m: Metric, v: float):
         r = self.rules
@@ -780,6 +783,13 @@ class _Series:
         if self.first is None:
             self.first = v
             self.smooth_low = (v, m)  # where the curve started is a level it held, however short the log
+        if self.count_step is not False:
+            if not math.isfinite(v) or v != int(v):
+                self.count_step = False
+            elif self.last_value is not None:
+                step = v - self.last_value
+                ok = step > 0 and step == int(step) and self.count_step in (None, step)
+                self.count_step = step if ok else False
         self.last, self.last_value = m, v
         self.count += 1
         if len(self.recent) == self.recent.maxlen:
@@ -837,6 +847,13 @@ class _Series:
         if self.count >= self.rules.rise_smooth_after and self.smooth_tail:
             return min(self.smooth_tail)
         return self.last_value
+
+    @property
+    def counter(self) -> bool:
+        """The series only ever counted up by one whole step (1, 2, 3 ... or 10, 20, 30 ...) over rise_window values or
+        more: an epoch or step number the reader took for the value (`Loss on train for epoch 3: 0.99` read as 3), not a
+        loss - no curve rule reads it."""
+        return bool(self.count_step) and self.count >= self.rules.rise_window
 
     def rise(self) -> tuple[Metric, float, Metric, float] | None:
         r = self.rules
@@ -1378,7 +1395,7 @@ class NumberRules:
             add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
         every = [(se.name, se) for se in self.closed_series + list(self.series.values())
-                 if se.name not in self.signed and not se.returns_grew()]
+                 if se.name not in self.signed and not se.returns_grew() and not se.counter]
         spikes = [(name, sp) for name, se in every for sp in se.lasting_spikes()]
         if spikes:
             name, (m, med) = min(spikes, key=lambda x: x[1][0].line)
