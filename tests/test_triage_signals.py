@@ -1570,6 +1570,18 @@ def test_kaldis_error_level_and_mpis_abort_fail_the_job():
     assert classify_text("epoch 1 loss 0.5\n" + mpi).failure_class == "environment"
 
 
+def test_a_hand_written_loops_own_words_for_its_numbers():
+    # Development 23 yd: a CUDA C++ trainer's NaN check stops the run (003); a C++ network prints its training error as
+    # `Error: 0.000099999` after converging (007); a NaN check that skips the batch goes on (dev8e-016).
+    assert classify_text("step 0\nnan loss caught... printing graph and stopping\nmake: *** [run] Error 1\n").failure_class == "divergence"
+    skipped = "".join(f"epoch {e} loss {1 - e / 20:.3f}\n" for e in range(12))
+    assert classify_text("[WARNING] NaN loss detected! Skipping batch.\n" + skipped).failure_class == "none"
+    rows = "".join(f"Iteration: {i}\tError: {0.2 / i:.9f}\n" for i in range(100, 2000, 100))
+    converged = "\nSUCCESS: Model converged after 16773 iterations!\nError: 0.000099999\n\nFinal truth table:\n"
+    assert classify_text(rows + converged).failure_class == "none"
+    assert classify_text(rows + "Error: could not open weights.bin\n").failure_class == "environment"
+
+
 def test_old_torchs_terse_host_allocation_failure_is_oom():
     # Retired blind 24 xa-012: PyTorch 0.4 on CPU, loss.backward() -> "RuntimeError: can't alloc", after a loss that
     # rose (the rise is the runner-up, the allocator decides).

@@ -773,8 +773,8 @@ def parse_line(m: Metric, keys: KeyMap, line: str, table: MetricTable | None = N
     if not m.source and (" at " in line or " from " in line or " for " in line) and (at := _AT_STEP.search(line)) and _assign(
             m, keys, at.group("key"), at.group("val")):
         # `Training average loss at step 15000: 0.091801` (KGE trainers, RotatE's logging), `Average loss from batch
-        # 51 to 100 is 8.84` (DuReader's baselines), `Loss on train for epoch 3: 0.99`: the number after the step word is where the run is, the one
-        # after the colon or "is" the metric (the pair reader would take the step).
+        # 51 to 100 is 8.84` (DuReader's baselines), `Loss on train for epoch 3: 0.99`: the number after the step word
+        # is where the run is, the one after the colon or "is" the metric (the pair reader would take the step).
         setattr(m, "epoch" if at.group("unit").lower() == "epoch" else "step", float(at.group("n")))
         m.source = "pairs"
     if not m.source and _METRIC_WORD.search(line) and _from_pairs(m, keys, line):
