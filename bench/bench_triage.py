@@ -35,7 +35,7 @@ LOGS = ROOT / "tests" / "fixtures" / "logs"
 BLIND = ROOT / "tests" / "fixtures" / "logs-blind"
 CLASSES = ("environment", "divergence", "oom", "none")
 # The blind batches still blind (batches 1-2, 4-13, 15-22 and 24 were retired into development after their readings).
-BLIND_PARTS = ("blind3", "blind23", "blind25")
+BLIND_PARTS = ("blind3", "blind23", "blind25", "blind26")
 PARTS = BLIND_PARTS + ("heldout", "dev")
 
 
