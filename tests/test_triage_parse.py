@@ -277,6 +277,33 @@ def test_keras_bars_after_the_epochs_closing_bar_are_evaluation():
     assert parse_text(fit + evaluate + more, KEYS)[-1].loss == 16.1259
 
 
+def _keras_fit(epochs: int, steps: int = 40) -> str:
+    """Keras 2's model.fit as a file holds it: each redraw erased with backspaces, then a carriage return; the mean
+    loss of an epoch settles to four decimals late in the epoch, as it does."""
+    out = []
+    for e in range(1, epochs + 1):
+        bars = []
+        for k in range(1, steps + 1):
+            loss = 0.05 / e + 0.01 / k
+            bars.append(f"{k}/{steps} [{'=' * (k * 30 // steps)}>{'.' * (30 - k * 30 // steps)}] - ETA: {steps - k}s - "
+                        f"loss: {loss:.4f} - accuracy: {0.9 + k / 1000:.4f}")
+        bars.append(f"{steps}/{steps} [{'=' * 30}] - 35s 719ms/step - loss: {0.05 / e:.4f} - accuracy: 0.95 - val_loss: 0.05")
+        out.append(f"Epoch {e}/{epochs}\n" + "".join(b + "\x08" * len(b) + "\r" for b in bars[:-1]) + bars[-1] + "\n")
+    return "".join(out)
+
+
+def test_keras_redraws_read_alike_however_the_carriage_returns_were_handed_over():
+    # Retired blind 24 xb-016 as tools hand it over: with its carriage returns, turned into line ends (each redraw a
+    # line: the epoch's running mean repeats at four decimals late in the epoch, no flat loss), or dropped (the
+    # backspaces Keras erases each redraw with still separate them).
+    text = _keras_fit(6)
+    as_lf, dropped = text.replace("\r", "\n"), text.replace("\r", "")
+    assert [classify_text(t).failure_class for t in (text, as_lf, dropped)] == ["none"] * 3
+    closing = [m.loss for m in parse_text(dropped, KEYS)]
+    assert closing == [round(0.05 / e, 4) for e in range(1, 7)]  # one record per epoch: its last redraw
+    assert clean_line("1/4 [>...] - loss: 9.0" + "\x08" * 20 + "4/4 [====] - 1s 2ms/step - loss: 0.5") == "4/4 [====] - 1s 2ms/step - loss: 0.5"
+
+
 def test_a_metric_at_a_step_is_read_after_its_colon():
     # RotatE-style KGE logging (retired blind b19qd-008): `<metric> at step N: value`.
     m = parse_line(Metric(1, "x"), KEYS, "Training average loss at step 175800: 0.061791")

@@ -170,8 +170,15 @@ def _after_prefix(line: str, pos: int) -> str:
     return line[pos + 1:] if line[pos:pos + 1] in (" ", "\t") else line[pos:]
 
 
+# Keras' progress bar erases itself with backspaces before each redraw (`\b` x the bar's width): a run of them is a
+# carriage return, whether or not the `\r` after it survived (a copy that dropped the carriage returns).
+_BACKSPACES = re.compile("\x08{2,}")
+
+
 def clean_line(line: str) -> str:
     """One raw log line as the readers should see it (see the module docstring); never spans lines."""
+    if "\x08" in line:
+        line = _BACKSPACES.sub("\r", line)
     if "\r" in line:
         line = _last_segment(line)
     elif len(line) > GLUED_MIN and (redrawn := _unglue(line)) is not line:
@@ -277,6 +284,9 @@ def clean_lines(lines: list[str]) -> list[str]:
     """clean_line over many lines at once: the escapes and prefixes removed by whole-text substitutions
     (the same result, far faster on a big log); lines with a carriage return are cleaned one by one."""
     text = "\n".join(lines)
+    if "\x08" in text:
+        lines = [_BACKSPACES.sub("\r", ln) if "\x08" in ln else ln for ln in lines]
+        text = "\n".join(lines)
     if "\r" in text:
         lines = [_last_segment(ln) if "\r" in ln else ln for ln in lines]
         text = "\n".join(lines)
@@ -394,6 +404,7 @@ class Metric:
     reward: float | None = None  # ... and the first such value it logs
     ev: float | None = None  # the explained variance of the trainer's value head (PPO's), also an RL record's mark
     acc_full: bool = False  # the record also logs an accuracy at its ceiling (100 or 1.0): the model fits what it is scored on
+    redraw: bool = False  # a progress bar's running mean mid-epoch (Keras' `14/49 [===>...] - ETA: 9s - loss: ...`)
 
     def has(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -839,7 +850,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
                 continue
         if clean[:1] in "TtVvEe[" and (phase := _PHASE.match(clean)):
             table.evaluating = phase.group(1) is not None or phase.group(2) is not None
-        keras_eval = False
+        keras_eval, bar = False, None
         if table.epoch is not None and clean[:8].lstrip()[:1].isdigit() and (bar := _KERAS_BAR.match(clean)):
             # Keras: a progress bar after the epoch's closing bar (`49/49 [====] - 35s 719ms/step - loss: ...`) with
             # no `Epoch N/M` line between is a model.evaluate() or predict() after fit, not a training step.
@@ -847,6 +858,8 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
             if bar.group(1) == bar.group(2) and "/step" in clean:
                 table.fit_closed = True
         m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
+        if bar is not None and " ETA: " in clean:
+            m.redraw = True
         if carries(m):
             if m.epoch is None:
                 m.epoch = table.epoch

@@ -1260,6 +1260,8 @@ class NumberRules:
                 self.still, self.still_lines = None, []
         if self.flat is not None:
             return
+        if m.redraw:
+            return  # a bar's running mean mid-epoch repeats at its printed precision late in the epoch: no step of its own
         if self.run_vals and self.run_vals[0].loss != m.loss:
             self._close_run()
             self.run_vals = []
