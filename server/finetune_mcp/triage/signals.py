@@ -138,16 +138,18 @@ class Threads:
     def only_threads_failed(self) -> bool:
         """Every traceback is a thread's (and the program printed on after the first) or one Python reported
         as ignored: the main program went on."""
-        if not 0 < self.tracebacks <= self.thread_headers + self.ignored_headers:
-            return False
-        return self.lines_after > 0 or self.thread_headers == 0
+        return self._all_threads and (self.lines_after > 0 or self.thread_headers == 0)
+
+    @property
+    def _all_threads(self) -> bool:
+        """Every traceback is a thread's, or one Python reported as ignored."""
+        return 0 < self.tracebacks <= self.thread_headers + self.ignored_headers
 
     def only_threads_after(self, line: int | None) -> bool:
         """Every traceback is a thread's, the first of them after `line` (where training said it ran to its end):
         a tracker's or a prefetcher's thread dying while the finished program shuts down (wandb's NetStatThr on a
         closed socket), not the run failing."""
-        return bool(line and self.first_thread_at and self.first_thread_at > line
-                    and 0 < self.tracebacks <= self.thread_headers + self.ignored_headers)
+        return bool(line and self.first_thread_at and self.first_thread_at > line and self._all_threads)
 
 
 # --- the table ---------------------------------------------------------------------------------
@@ -1416,7 +1418,7 @@ class NumberRules:
         if huge:
             huge.sort(key=lambda h: h[0].line)
             m0, name, v = huge[0]
-            add("loss-magnitude", sorted({m.line: m for m, _, _ in huge}.values(), key=lambda x: x.line),
+            add("loss-magnitude", list({m.line: m for m, _, _ in huge}.values()),
                 f"{'the loss' if name == 'loss' else name} reached {v:.3g} at line {m0.line} (limit {r.loss_abs_max:g}, either sign)")
         if self.kl_blow and self.kl_low:
             (lm, _, lv), (bm, name, bv) = self.kl_low, self.kl_blow
@@ -1515,7 +1517,7 @@ def last_exception(log: Log, comp: Compiled) -> tuple[int, str] | None:
     found = list(_EXCEPTION_M.finditer(log.text))
     for last in reversed(found):
         i = log.line_of(last.start())
-        if not comp.benign or not any(b.search(log.clean[i]) for b in comp.benign):
+        if _not_benign(log, comp, {i}):
             return i + log.first_line, log.lines[i]
     return None
 
