@@ -1627,3 +1627,73 @@ def test_an_interval_setting_of_inf_in_a_config_dict_is_no_metric():
     cfg = "ds_config: {'train_batch_size': 'auto', 'gradient_clipping': 1.0, 'steps_per_print': inf, 'bf16': {'enabled': True}}\n"
     assert "nonfinite-metric" not in _find_ids(cfg)
     assert "nonfinite-metric" in _find_ids("step 10 | q_value: 3.2 | value_estimate: inf\n")
+
+
+def test_a_discriminator_that_wins_within_its_first_logs_still_won():
+    # Retired blind 25 zc-011: a conditional GAN's D loss falls from 0.105 to 0.004 in three epochs and to 6e-13 by the
+    # end, while G climbs from 1.87 to 27.4: the median of D's first ten values is already near 0, the first is not.
+    rows, d, g = [], 0.105, 1.87
+    for e in range(60):
+        rows.append(f"Epoch [{e + 1}/60]  Loss D: {d:.6g}, Loss G: {g:.6g}\n")
+        d, g = d * 0.3, min(g + 1.5, 27.4)
+    assert classify_text("".join(rows)).failure_class == "divergence"
+    # a D that sat near 0 from its first log on is a scale of its own, not a game it won
+    flat = "".join(f"Epoch [{e + 1}/60]  Loss D: {0.005 / (e + 1):.6g}, Loss G: {1.87 + e / 2:.6g}\n" for e in range(60))
+    assert "discriminator-won" not in classify_text(flat).signals
+
+
+def test_a_printed_history_of_every_epochs_loss_is_no_new_record():
+    # Retired blind 25 zb-015: Keras' fit ends at loss 0.0871, then the notebook prints History.history, whose list
+    # opens on epoch 1's loss (2.38): no rise.
+    bars = "".join(f"Epoch {e}/35\n60/60 [==============================] - 2282s 38s/step - loss: {2.4 / e:.4f} - "
+                   f"accuracy: 0.9\n" for e in range(1, 36))
+    history = "{'loss': [2.3796660900115967,\n  2.312483549118042,\n  2.313373565673828,\n  0.0871],\n 'val_loss': [1.9,\n  1.5]}\n"
+    assert classify_text(bars + history).failure_class == "none"
+    # a list-valued key holds no value of this step; a bracketed single value still does
+    assert parse_line(Metric(1, "x"), KEYS, "{'loss': [2.37, 2.31, 2.30]}").loss is None
+    assert parse_line(Metric(1, "x"), KEYS, "step 3 loss: [2.37]").loss == 2.37
+    # one value per parameter group (DeepSpeed's `lr=[0.001, 0.001]`) is this step's
+    assert parse_line(Metric(1, "x"), KEYS, "[Rank 0] step=2000, skipped=1995, lr=[0.001, 0.001], mom=[0.0, 0.0]").lr == 0.001
+
+
+def test_a_failed_install_in_a_notebook_that_later_cells_ran_past_did_not_end_it():
+    # Retired blind 25 zc-018 (a Windows notebook): pip fails to build tensorflow-gpu, later cells train a DCGAN, and the
+    # user interrupts the training cell (ipykernel's cell file under a Windows temp folder).
+    pip = ("  Building wheel for tensorflow-gpu (setup.py): finished with status 'error'\n  error: subprocess-exited-with-error\n"
+           "  ERROR: Failed building wheel for tensorflow-gpu\nerror: legacy-install-failure\n")
+    cell = ("Time for epoch 2 is 761.27 sec\n\x1b[1;31mKeyboardInterrupt\x1b[0m                         Traceback (most recent call last)\n"
+            "\x1b[1;32m~\\AppData\\Local\\Temp\\ipykernel_6156\\1376251600.py\x1b[0m in \x1b[0;36m?\x1b[1;34m()\x1b[0m\n"
+            "\x1b[1;32m----> 1\x1b[1;33m gan.train(data,10)\n\x1b[1;31mKeyboardInterrupt\x1b[0m: \n")
+    r = classify_text(pip + cell)
+    assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "stopped")
+    # the same install failing in a script (no cell ran after it) is the job's failure
+    assert classify_text(pip + "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+                         "KeyboardInterrupt\n").failure_class == "environment"
+
+
+def test_a_sigkill_named_as_a_setting_in_a_config_dump_is_no_kill():
+    # Retired blind 25 zd-007: NeMo's exp_manager prints its settings, among them the signal it would send a hung rank.
+    cfg = ("[NeMo I 2025-03-03 12:35:37 exp_manager:470] {'explicit_log_dir': None, 'rank_termination_signal': "
+           "<Signals.SIGKILL: 9>, 'log_level': 'INFO'}\n")
+    r = classify_text(cfg + "TypeError: `model` must be a `LightningModule` or `torch._dynamo.OptimizedModule`, got "
+                      "`EncDecCTCModel`\n")
+    assert r.failure_class == "environment" and "sigkill-in-log" not in r.signals
+    assert classify_text("epoch 1 loss 2.0\nprocess 0 died with <Signals.SIGKILL: 9>\n").failure_class == "oom"
+
+
+def test_detectron2s_environment_report_of_its_own_extension_is_no_failure():
+    # Retired blind 25 zd-011: collect_env's row at start-up; the run trains and evaluates after it.
+    row = ("detectron2._C           not built correctly: /opt/conda/lib/python3.7/site-packages/detectron2/_C.cpython-37m-"
+           "x86_64-linux-gnu.so: undefined symbol: _ZNK2at6Tensor4add_ERKS0_RKN3c106ScalarE\n")
+    after = "[08/19 14:34:43] d2.engine.train_loop INFO: Starting training from iteration 90000\n"
+    assert classify_text(row + after).failure_class == "none"
+    assert classify_text("ImportError: /x/_C.so: undefined symbol: _ZNK2at6Tensor4add_ERKS0_RKN3c106ScalarE\n").failure_class == "environment"
+
+
+def test_a_job_script_whose_last_step_lacks_its_input_failed():
+    # Retired blind 25 za-012: training ran to its step limit, then the pipeline's next step could not copy its input.
+    rows = "".join(f"INFO:__main__:epoch 0 | global step {s} | mode validation | loss {3 - s / 1000:.4f}\n" for s in range(0, 3100, 256))
+    assert classify_text(rows + "cp: cannot stat ‘Output/bt_init/zh-en.de.val’: No such file or directory\n").failure_class == "environment"
+    # a step that lacked its input before training went on did not end the run
+    went = "mkdir: cannot create directory ‘out’: File exists\n" + rows
+    assert classify_text(went).failure_class == "none"

@@ -318,6 +318,8 @@ class FailureSignal(Strict):
     exit_signals: list[int] = Field(default_factory=list, description="terminating signals that show this signal")
     records_rule: RecordsRule | None = None
     explained_by_stop: bool = Field(False, description="a stop we asked for explains it (a SIGKILL from stop_run)")
+    before_run: bool = Field(False, description="a command before the program (an install, a build, a shell that cannot start "
+                                                "one) failed: a notebook cell whose traceback began after it ran on past it")
     records_decide: bool = Field(False, description="a line the metric readers took as a record is left to the records "
                                                     "rules, which know its columns' names")
     stop_request: bool = Field(False, description="present whenever stop_run asked the run to end")

@@ -612,9 +612,22 @@ def _from_dicts(m: Metric, keys: KeyMap, line: str) -> bool:
 _FROM_INF = re.compile(r"\binf(?:inity)?\s*(?:->|→|=>|to\b)\s*[-+]?\.?\d", re.I)
 
 
+# A key whose value is a list of different numbers (`{'loss': [2.3796, 2.3124, ...` - Keras' History.history printed
+# after fit, on one line or many): every epoch's value at once, a summary; its first number is no loss of this step. A
+# list of one value repeated is one value per parameter group (DeepSpeed's `lr=[0.001, 0.001]`) and stays.
+_LIST_VALUE = re.compile(r"([:=]\s*)(\[\s*" + _NUM + r"\s*(?:,\s*" + _NUM + r"\s*)*,(?:\s*" + _NUM + r"\s*(?:,|\]|$))*)", re.I)
+
+
+def _drop_history(m: re.Match) -> str:
+    values = set(re.findall(_NUM, m.group(2), re.I))
+    return m.group(0) if len(values) == 1 and m.group(2).rstrip().endswith("]") else m.group(1) + "[]"
+
+
 def _from_pairs(m: Metric, keys: KeyMap, line: str) -> bool:
     found = False
     best = None
+    if "[" in line:
+        line = _LIST_VALUE.sub(_drop_history, line)
     for part in _SPLIT.split(line):
         for pm in _PAIR.finditer(part):
             if _SOURCE_FILE.search(pm.group("key")):

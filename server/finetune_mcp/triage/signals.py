@@ -464,8 +464,14 @@ class Findings:
     def outlived(self, hit: Hit) -> bool:
         """The run logged went_on_records metric records after the hit's last line, or finished training
         after it: whatever it said (an OOM a batch-size finder caught, a tool an optional step lacked),
-        training went on past it."""
-        return self._records_after(hit.last_line) or self._finished_after(hit.last_line) or self._launched_after(hit.last_line)
+        training went on past it. An install or build that failed in a notebook is outlived by a later cell that ran
+        (its traceback began after it, frames of a cell): the kernel went on, with whatever that cell had."""
+        return (self._records_after(hit.last_line) or self._finished_after(hit.last_line) or self._launched_after(hit.last_line)
+                or self._later_cell_ran(hit))
+
+    def _later_cell_ran(self, hit: Hit) -> bool:
+        return bool(hit.signal.before_run and hit.last_line and self.cell_frame_at and self.last_traceback_at
+                    and self.cell_frame_at > self.last_traceback_at > hit.last_line)
 
     @property
     def went_on(self) -> bool:
@@ -1166,14 +1172,14 @@ class NumberRules:
 
     def _game_over(self):
         """A GAN whose discriminator won: a discriminator loss (never negative at the end: a BCE or hinge, not a
-        WGAN critic) whose median over its last game_window values is game_d_zero or less after one over its first
-        game_window values of at least game_d_zero x 10, while a generator loss's median over its last values is
+        WGAN critic) whose median over its last game_window values is game_d_zero or less after one of its first
+        game_window values was at least game_d_zero x 10 (a discriminator can win within its first few logs), while a generator loss's median over its last values is
         game_g_rise times its first values' median. The discriminator tells every fake from every real sample, and
         the generator, which learns only from the discriminator's mistakes, has nothing left to learn from."""
         r = self.r
         done = [s for s in self.game.values() if s.count >= 2 * r.game_window]
         for d in (s for s in done if s.discriminator and s.tail_min() >= 0):
-            if not (d.tail_median() <= r.game_d_zero and d.head_median() >= r.game_d_zero * 10):
+            if not (d.tail_median() <= r.game_d_zero and d.head_max() >= r.game_d_zero * 10):
                 continue
             for g in (s for s in done if not s.discriminator):
                 if g.head_median() > 0 and g.tail_median() >= r.game_g_rise * g.head_median():
@@ -1439,7 +1445,7 @@ class NumberRules:
         if game:
             d, g = game
             add("discriminator-won", [d.tail[-1][0], g.head[0][0], g.tail[-1][0]],
-                f"{d.name} fell to {d.tail_median():.3g} (median of its last {len(d.tail)} values, from {d.head_median():.3g}) "
+                f"{d.name} fell to {d.tail_median():.3g} (median of its last {len(d.tail)} values, from {d.head_max():.3g}) "
                 f"while {g.name} rose from {g.head_median():.3g} to {g.tail_median():.3g}")
         self._close_run()
         self._close_still()
@@ -1483,6 +1489,9 @@ class _Side:
 
     def tail_median(self) -> float:
         return _median([v for _, v in self.tail])
+
+    def head_max(self) -> float:
+        return max(v for _, v in self.head)
 
     def tail_min(self) -> float:
         return min(v for _, v in self.tail)
@@ -1528,8 +1537,9 @@ def last_traceback(log: Log) -> int | None:
 
 
 # A frame of IPython's traceback of a notebook cell: `<ipython-input-9-95de...>` (IPython 7), `/tmp/ipykernel_451042/
-# 622961601.py` (ipykernel 6 names a cell's code so), `Cell In[12], line 3` (8), `Input In [5]` (8.0-8.4).
-_IPYTHON_CELL = re.compile(r"<ipython-input-\d+-[0-9a-f]+>|/ipykernel_\d+/\d+\.py\b|\bCell In\s?\[\d+\]|\bInput In \[\d+\]")
+# 622961601.py` (ipykernel 6 names a cell's code so; on Windows `~\AppData\Local\Temp\ipykernel_6156\1376251600.py`), `Cell In[12],
+# line 3` (8), `Input In [5]` (8.0-8.4).
+_IPYTHON_CELL = re.compile(r"<ipython-input-\d+-[0-9a-f]+>|[/\\]ipykernel_\d+[/\\]\d+\.py\b|\bCell In\s?\[\d+\]|\bInput In \[\d+\]")
 
 
 def last_cell_frame(log: Log) -> int | None:
