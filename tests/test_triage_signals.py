@@ -1697,3 +1697,33 @@ def test_a_job_script_whose_last_step_lacks_its_input_failed():
     # a step that lacked its input before training went on did not end the run
     went = "mkdir: cannot create directory ‘out’: File exists\n" + rows
     assert classify_text(went).failure_class == "none"
+
+
+def test_a_loss_scale_that_halved_and_then_grew_back_was_a_transient():
+    # Development 28 yh-005: four apex ranks report each cut (glued lines repeat a value, which reads as the scale
+    # holding), the scale halves 8192 -> 32, then grows to 128 and 512, and the run ends on its evaluation.
+    cut = "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to {:.1f}"
+    glued = cut + cut + "\n"  # two ranks' lines glued (no newline between them), as the log has them
+    lines = "".join(cut.format(v) + "\n" for v in (32768, 16384, 8192)) + glued.format(8192, 8192) + cut.format(8192) + "\n"
+    lines += "".join(cut.format(v) + "\n" for v in (4096, 2048, 1024, 512, 256, 128, 64, 32))
+    grew = "".join(cut.format(v) + "\n" for v in (128, 64, 512, 256))
+    assert "loss-scale-halving" in classify_text(lines).signals
+    assert "loss-scale-halving" not in classify_text(lines + grew).signals
+
+
+def test_a_loss_at_its_prints_last_digit_is_rounded_not_exactly_zero():
+    # Development 28 yf-011: gunpowder prints `loss=0.000000` between `loss=0.000001`s for thousands of iterations.
+    row = "INFO:gunpowder.nodes.generic_train:Train process: iteration={} loss={} time=2.41\n"
+    tiny = "".join(row.format(18000 + i, "0.000001" if i % 7 == 0 else "0.000000") for i in range(60))
+    assert "flat-loss" not in classify_text(tiny).signals
+    # a loss of exactly 0 with no tiny value beside it is still nothing being trained
+    zeros = "".join(row.format(18000 + i, "0.000000") for i in range(60))
+    assert "flat-loss" in classify_text(zeros).signals
+
+
+def test_yarns_diagnostics_of_an_application_its_user_killed_is_a_deliberate_stop():
+    # Development 28 yg-003: a TensorFlow-on-YARN launcher's client log ends on the resource manager's diagnostics.
+    client = ("19/11/03 12:29:36 INFO client.Client: Application application_1563433337431_19629206 finished with state "
+              "KILLED at 1572755376685\nApplication killed by user.\n")
+    r = classify_text("19/11/03 12:22:10 INFO client.Client: Submitting application\n" + client)
+    assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "stopped")

@@ -950,6 +950,7 @@ class NumberRules:
         self.halving: list[Metric] = []
         self.halving_best: list[Metric] = []
         self.halving_from: float | None = None
+        self.grew_at = 0  # the line of the last logged scale above the one before it (the scaler grew: no overflow for a window)
         # flat-loss state
         self.run_vals: list[Metric] = []
         self.flat: tuple[list[Metric], str] | None = None
@@ -964,6 +965,8 @@ class NumberRules:
         self.last_losses: deque[Metric] = deque(maxlen=max(1, self.r.chance_logs))  # the run's latest finite losses
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
         self.run_low: float | None = None
+        self.zero_seen = False  # this run logged a loss of 0
+        self.tiny_seen = False  # ... and after it one above 0 and at most zero_print_floor: its zeros are a print's rounding
         self.points: set[tuple] = set()  # (epoch, step, loss) of this run's records, to see a replay
         self.step_last: float | None = None  # the step of the last record with a step and a finite loss
         self.point_last: tuple | None = None  # and its (epoch, step, loss)
@@ -991,6 +994,7 @@ class NumberRules:
         self.recent_vals.clear()
         self.seen_windows = {}
         self.run_high = self.run_low = None
+        self.zero_seen = self.tiny_seen = False
         self.still, self.still_lines = [], []
         self.last_losses.clear()
         self.points = set()
@@ -1238,6 +1242,8 @@ class NumberRules:
             self.halving = []
             if prev is not None:
                 self.settled += 1
+                if v > prev:
+                    self.grew_at = m.line
         self.scale_prev = v
         self.scale_max = v if self.scale_max is None else max(self.scale_max, v)
         self.loss_scale_last = v
@@ -1256,6 +1262,10 @@ class NumberRules:
     def _flat(self, m: Metric):
         r = self.r
         self.finite_count += 1
+        if m.loss == 0:
+            self.zero_seen = True
+        elif self.zero_seen and abs(m.loss) <= r.zero_print_floor:
+            self.tiny_seen = True  # the loss left 0 for a value at the print's last digit: it flickers there
         self.run_high = m.loss if self.run_high is None else max(self.run_high, m.loss)
         self.run_low = m.loss if self.run_low is None else min(self.run_low, m.loss)
         self.last_losses.append(m)
@@ -1322,6 +1332,10 @@ class NumberRules:
             v = self.run_vals[0].loss
             if len(self.run_vals) < (r.zero_loss_run if v == 0 else r.flat_identical_run):
                 return  # too short to be flat (most runs are one value long): nothing more to check
+            if v == 0 and self.tiny_seen:
+                # 'loss=0.000000' between 'loss=0.000001's: a loss that flickers at its print's last digit is rounded to 0,
+                # not exactly 0 (one that reached 0.0000 from 0.0001 and stays is judged as any zero run)
+                return
             if v == 0 and all(x.acc_full for x in self.run_vals):
                 return  # 'Acc: 100.0000, Loss: 0.0000': a model that fits its (few-shot) set, the loss rounded to 0
             if v == 0 and _reward_moves(self.run_vals):
@@ -1437,7 +1451,9 @@ class NumberRules:
         if self.floor and not self.floor_left:
             add("loss-scale-collapse", self.floor, f"the loss scale was cut to {self.floor_min:g} "
                                                    f"(floor {r.loss_scale_floor:g}): every step overflows")
-        if len(self.halving_best) >= r.scale_halving_run:
+        if len(self.halving_best) >= r.scale_halving_run and self.grew_at <= self.halving_best[-1].line:
+            # (a scale logged higher after the run: the scaler grows only after a window of steps without an overflow,
+            # so the overflows stopped - a transient, as for loss-scale-collapse)
             ms = self.halving_best
             add("loss-scale-halving", ms, f"the loss scale halved {len(ms)} logs in a row after it had settled "
                                           f"({_scale_of(ms[0]) * 2:g} down to {_scale_of(ms[-1]):g}): fp16 overflow at every step")
