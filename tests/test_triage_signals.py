@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from finetune_mcp.triage.classify import classify_text
-from finetune_mcp.triage.parse import Metric, parse_line, parse_text
+from finetune_mcp.triage.parse import Metric, parse_line, parse_text, wrap_width
 from finetune_mcp.triage.signals import compiled, exit_fields, find, load_signal_table, number_hits
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
@@ -1484,7 +1484,10 @@ def test_glued_redraws_are_read_as_their_last():
 
 @pytest.mark.parametrize("name", ["env-nccl-watchdog-timeout-zero3.log", "oom-colab-kernel-restarted-tcmalloc-large-alloc.log",
                                   "oom--tf115-windows-training-bfc-inuse-chunks.log", "divergence--dev3d-024.log",
-                                  "none--dev5f-002.log"])
+                                  "none--dev5f-002.log",
+                                  # short captures, one or two lines at the window's width (fourteenth round)
+                                  "environment--dev11t-011.log", "environment--b19qd-002.log", "oom-nvml-assert-large-alloc.log",
+                                  "environment--b24xa-007.log"])
 def test_a_log_captured_from_an_80_column_terminal_reads_as_the_log(name):
     # tmux / screen captures and copies from a terminal window break each long line into pieces of the window's width.
     # (Five development logs whose 80-column capture f3d253d read as another class.)
@@ -1727,3 +1730,13 @@ def test_yarns_diagnostics_of_an_application_its_user_killed_is_a_deliberate_sto
               "KILLED at 1572755376685\nApplication killed by user.\n")
     r = classify_text("19/11/03 12:22:10 INFO client.Client: Submitting application\n" + client)
     assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "stopped")
+
+
+def test_a_line_that_happens_to_be_a_windows_width_is_not_joined_to_the_next():
+    # Development dev9f-021: its first line (bash's complaint) is 120 characters long; the traceback after it starts a
+    # line of its own, as a wrap's continuation (the rest of a word or a path) does not.
+    lines = (LOGS / "environment--dev9f-021.log").read_text().splitlines()
+    assert len(lines[0]) == 120 and lines[1].startswith("Traceback")
+    assert wrap_width(lines) is None
+    # the same line followed by the rest of a path is a capture's cut
+    assert wrap_width([lines[0][:100], lines[0][100:] + "/x", lines[1]]) == 100

@@ -220,23 +220,30 @@ _PREFIXES_AT_START = re.compile(r"(?m)^(?:" + _PREFIX.pattern.replace(r"\s*(?:",
 # `=====` rule), and most of them followed by a line that does not start as they do, is read with each such line
 # joined to the lines that continue it.
 WRAP_MIN_WIDTH, WRAP_MAX_WIDTH, WRAP_MIN_COUNT, WRAP_SHARE = 60, 320, 3, 0.01
+TERMINAL_WIDTHS = frozenset({80, 100, 120, 132, 160, 200})
 
 
 def wrap_width(lines: list[str], lens: list[int] | None = None) -> int | None:
     """The width a terminal wrapped the log's lines at (see WRAP_MIN_WIDTH), or None when nothing says it was; `lens`,
     when given, are the lines' lengths."""
-    if len(lines) < WRAP_MIN_COUNT + 1:
+    if len(lines) < 2:
         return None
     lens = list(map(len, lines)) if lens is None else lens
     width = max(lens)
     count = lens.count(width)
-    if not WRAP_MIN_WIDTH <= width <= WRAP_MAX_WIDTH or count < WRAP_MIN_COUNT or count < WRAP_SHARE * len(lines):
+    # A short capture: one or two lines at a common window's width, each followed by the rest of a word (a cut mid-word
+    # or mid-path: no capital or indent where the next line starts).
+    few = width in TERMINAL_WIDTHS and count < WRAP_MIN_COUNT
+    if not WRAP_MIN_WIDTH <= width <= WRAP_MAX_WIDTH or (count < WRAP_MIN_COUNT and not few) or count < WRAP_SHARE * len(lines):
         return None
     at = [i for i, n in enumerate(lens) if n == width]
     at = [i for i in at[::max(1, len(at) // WRAP_SAMPLE)] if len(set(lines[i])) > 2]  # (an even sample of them on a long
     # log; not a `=====` rule, which is a banner's width)
-    if len({lines[i] for i in at}) < WRAP_MIN_COUNT:
+    if len({lines[i] for i in at}) < (count if few else WRAP_MIN_COUNT):
         return None  # one long line printed again and again, not a window's width
+    if few and not all(i + 1 < len(lines) and lines[i + 1][:1] and not lines[i + 1][0].isupper() and not lines[i + 1][0].isspace()
+                       for i in at):
+        return None  # a line that happens to be a window's width, then one that starts as a line does (`Traceback ...`)
     cut = sum(1 for i in at if not lines[i][-1].isspace())
     # Records printed to one width (a fixed-format line per step, a table's rows) are followed by more of the same: the
     # next line starts as they do. A wrapped line's continuation starts wherever the window cut it.
