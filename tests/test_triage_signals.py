@@ -1740,3 +1740,22 @@ def test_a_line_that_happens_to_be_a_windows_width_is_not_joined_to_the_next():
     assert wrap_width(lines) is None
     # the same line followed by the rest of a path is a capture's cut
     assert wrap_width([lines[0][:100], lines[0][100:] + "/x", lines[1]]) == 100
+
+
+def test_caffes_test_net_outputs_are_test_losses():
+    # Development 29 yi-005: an AM-softmax face model; the train net's loss stays near 5.5 (a margin by design), the
+    # test net's output under the same name is near 1.1 - no rise from a minimum of 1.1 to 5.
+    rows = []
+    for it in range(150000, 160000, 500):
+        v = 5.2 + (it * 7919 % 997) / 2000  # noisy, never recurring
+        rows.append(f"I1201 13:21:02.921859  2928 solver.cpp:224] Iteration {it} (3.6 iter/s, 277.1s/1000 iters), loss = {v:.5f}\n")
+        rows.append(f"I1201 13:21:02.922086  2928 solver.cpp:243]     Train net output #0: softmax_loss = {v:.5f} "
+                    f"(* 1 = {v:.5f} loss)\n")
+        if it % 1000 == 0:
+            rows.append("I1201 13:19:02.250685  2928 solver.cpp:403]     Test net output #1: softmax_loss = 1.13505 "
+                        "(* 1 = 1.13505 loss)\n")
+    r = classify_text("".join(rows))
+    assert r.failure_class == "none" and "loss-rise" not in r.signals
+    test = parse_text("I1201 13:19:02.250685  2928 solver.cpp:403]     Test net output #1: softmax_loss = 1.13505 (* 1 = 1.13505 "
+                      "loss)\n", KEYS)[0]
+    assert test.named == {"eval_loss:softmax loss": 1.13505}  # a named test loss, no point of the training curve

@@ -883,7 +883,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
         if carries(m):
             if m.epoch is None:
                 m.epoch = table.epoch
-            if table.evaluating or keras_eval:
+            if table.evaluating or keras_eval or (clean[:24].lstrip().startswith("Test net output #") and _CAFFE_TEST.match(clean)):
                 _as_evaluation(m)
             yield m
     if end and (rec := table.flush()) is not None:
@@ -899,6 +899,11 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
 _SETTING_HEADER = re.compile(r"([ \t]*)([A-Za-z_][\w.\-]*)[ \t]*:[ \t]*$")
 _PHASE = re.compile(r"(?:(Test|Val|Validation|Eval|Evaluation)|Epoch)\s*:\s*\[\s*\d+"
                     r"|\[(?:(Eval|Evaluation|Test|Val|Valid|Validation)|Train|Training)\]\[", re.I)
+
+
+# Caffe's solver prints each test net's outputs on a line of their own (`Test net output #1: softmax_loss = 1.13505 (* 1 =
+# 1.13505 loss)`), under the same names as the train net's (`Train net output #0: softmax_loss = 5.56`): a test loss.
+_CAFFE_TEST = re.compile(r"\s*Test net output #\d+:")
 
 
 def _as_evaluation(m: Metric) -> None:

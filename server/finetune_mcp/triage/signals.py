@@ -1177,8 +1177,8 @@ class NumberRules:
     def _game_over(self):
         """A GAN whose discriminator won: a discriminator loss (never negative at the end: a BCE or hinge, not a
         WGAN critic) whose median over its last game_window values is game_d_zero or less after one of its first
-        game_window values was at least game_d_zero x 10 (a discriminator can win within its first few logs), while a generator loss's median over its last values is
-        game_g_rise times its first values' median. The discriminator tells every fake from every real sample, and
+        game_window values was at least game_d_zero x 10 (a discriminator can win within its first few logs), while
+        a generator loss's median over its last values is game_g_rise times its first values' median. The discriminator tells every fake from every real sample, and
         the generator, which learns only from the discriminator's mistakes, has nothing left to learn from."""
         r = self.r
         done = [s for s in self.game.values() if s.count >= 2 * r.game_window]
@@ -1553,8 +1553,8 @@ def last_traceback(log: Log) -> int | None:
 
 
 # A frame of IPython's traceback of a notebook cell: `<ipython-input-9-95de...>` (IPython 7), `/tmp/ipykernel_451042/
-# 622961601.py` (ipykernel 6 names a cell's code so; on Windows `~\AppData\Local\Temp\ipykernel_6156\1376251600.py`), `Cell In[12],
-# line 3` (8), `Input In [5]` (8.0-8.4).
+# 622961601.py` (ipykernel 6 names a cell's code so; on Windows `~\AppData\Local\Temp\ipykernel_6156\1376251600.py`),
+# `Cell In[12], line 3` (8), `Input In [5]` (8.0-8.4).
 _IPYTHON_CELL = re.compile(r"<ipython-input-\d+-[0-9a-f]+>|[/\\]ipykernel_\d+[/\\]\d+\.py\b|\bCell In\s?\[\d+\]|\bInput In \[\d+\]")
 
 
