@@ -1652,6 +1652,11 @@ def test_a_printed_history_of_every_epochs_loss_is_no_new_record():
                    f"accuracy: 0.9\n" for e in range(1, 36))
     history = "{'loss': [2.3796660900115967,\n  2.312483549118042,\n  2.313373565673828,\n  0.0871],\n 'val_loss': [1.9,\n  1.5]}\n"
     assert classify_text(bars + history).failure_class == "none"
+    # the same under srun's task label (`0: `), which stays on a line that starts with a number: the evaluate() bar
+    # after fit is still an evaluation
+    labelled = "\n".join("0: " + ln for ln in (bars + "19/19 [==============================] - 248s 13s/step - loss: 1.3188\n"
+                                                + history).split("\n"))
+    assert classify_text(labelled).failure_class == "none"
     # a list-valued key holds no value of this step; a bracketed single value still does
     assert parse_line(Metric(1, "x"), KEYS, "{'loss': [2.37, 2.31, 2.30]}").loss is None
     assert parse_line(Metric(1, "x"), KEYS, "step 3 loss: [2.37]").loss == 2.37

@@ -918,8 +918,9 @@ def _as_evaluation(m: Metric) -> None:
 
 # A line that only announces the epoch its next records belong to (Keras' model.fit, many plain loops).
 _EPOCH_HEADER = re.compile(r"\s*Epoch\s*:?\s*(\d+)\s*/\s*\d+\s*:?\s*$", re.I)
-# Keras' progress bar: `14/49 [=====>.....] - ETA: 9s - loss: ...` (Keras 2), `14/49 ━━━━━━━━━━ 9s ...` (Keras 3).
-_KERAS_BAR = re.compile(r"\s*(\d+)/(\d+) (?:\[[=>.]+\]|[━─]+)")
+# Keras' progress bar: `14/49 [=====>.....] - ETA: 9s - loss: ...` (Keras 2), `14/49 ━━━━━━━━━━ 9s ...` (Keras 3), with
+# srun's task label before it (`0: 19/19 [====...`: the label stays on a line that starts with a number).
+_KERAS_BAR = re.compile(r"\s*(?:\d{1,4}:\s+)?(\d+)/(\d+) (?:\[[=>.]+\]|[━─]+)")
 
 
 # IPython's traceback frame header: IPython 8's `File /x/trainer.py:2555, in Trainer._inner_training_loop(...)` and
