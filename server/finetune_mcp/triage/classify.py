@@ -266,7 +266,7 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         reason = f"{hits[0].signal.note.strip()} ({hits[0].id}{', line ' + str(hits[0].first) if hits[0].lines else ''})." + dropped_note
         return Classification("none", reason, _evidence(hits), [h.id for h in _order(f.hits)], None, "stopped", conf, runner_up,
                               _missing("none", hits, f, False), summary)
-    if fallback is not None and _later_cell(f):
+    if fallback is not None and f.cell_traceback_after(f.finished_at):
         # A notebook cell after the one where training ran to its end failed (a plot, an export): no signal names a
         # cause, and the training itself finished - healthy, with the error named and environment the runner-up.
         first = f.exception[0] if f.exception else f.last_traceback_at
@@ -281,13 +281,6 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
     if fallback is not None:
         return _by_fallback(f, cls, fallback, conf, runner_up, summary, dropped_note)
     return _by_signals(f, cls, by_class[cls], conf, runner_up, summary, dropped_note, comp, platform, memory)
-
-
-def _later_cell(f: Findings) -> bool:
-    """The log's last traceback is a notebook cell's (its frames name the cell), begun after a line where training ran
-    to its end."""
-    start = f.last_traceback_at or (f.exception[0] if f.exception else None)
-    return bool(f.finished_at and start and f.cell_frame_at and f.finished_at < start <= f.cell_frame_at)
 
 
 def _why_not_fatal(f: Findings, first: int) -> str:

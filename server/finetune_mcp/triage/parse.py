@@ -622,12 +622,12 @@ _FROM_INF = re.compile(r"\binf(?:inity)?\s*(?:->|→|=>|to\b)\s*[-+]?\.?\d", re.
 # A key whose value is a list of different numbers (`{'loss': [2.3796, 2.3124, ...` - Keras' History.history printed
 # after fit, on one line or many): every epoch's value at once, a summary; its first number is no loss of this step. A
 # list of one value repeated is one value per parameter group (DeepSpeed's `lr=[0.001, 0.001]`) and stays.
-_LIST_VALUE = re.compile(r"([:=]\s*)(\[\s*" + _NUM + r"\s*(?:,\s*" + _NUM + r"\s*)*,(?:\s*" + _NUM + r"\s*(?:,|\]|$))*)", re.I)
+_LIST_VALUE = re.compile(r"([:=]\s*)(\[\s*" + _NUM + r"(?:\s*,\s*" + _NUM + r")*\s*(?:,|\]))", re.I)
 
 
 def _drop_history(m: re.Match) -> str:
-    values = set(re.findall(_NUM, m.group(2), re.I))
-    return m.group(0) if len(values) == 1 and m.group(2).rstrip().endswith("]") else m.group(1) + "[]"
+    closed_one = m.group(2).endswith("]") and len(set(re.findall(_NUM, m.group(2), re.I))) == 1
+    return m.group(0) if closed_one else m.group(1) + "[]"
 
 
 def _from_pairs(m: Metric, keys: KeyMap, line: str) -> bool:
@@ -883,7 +883,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
         if carries(m):
             if m.epoch is None:
                 m.epoch = table.epoch
-            if table.evaluating or keras_eval or (clean[:24].lstrip().startswith("Test net output #") and _CAFFE_TEST.match(clean)):
+            if table.evaluating or keras_eval or _CAFFE_TEST.match(clean):
                 _as_evaluation(m)
             yield m
     if end and (rec := table.flush()) is not None:

@@ -467,11 +467,12 @@ class Findings:
         training went on past it. An install or build that failed in a notebook is outlived by a later cell that ran
         (its traceback began after it, frames of a cell): the kernel went on, with whatever that cell had."""
         return (self._records_after(hit.last_line) or self._finished_after(hit.last_line) or self._launched_after(hit.last_line)
-                or self._later_cell_ran(hit))
+                or (hit.signal.before_run and self.cell_traceback_after(hit.last_line)))
 
-    def _later_cell_ran(self, hit: Hit) -> bool:
-        return bool(hit.signal.before_run and hit.last_line and self.cell_frame_at and self.last_traceback_at
-                    and self.cell_frame_at > self.last_traceback_at > hit.last_line)
+    def cell_traceback_after(self, line: int | None) -> bool:
+        """The log's last traceback is a notebook cell's (its frames name the cell), begun after `line`: a later cell ran."""
+        start = self.last_traceback_at or (self.exception[0] if self.exception else None)
+        return bool(line and start and self.cell_frame_at and line < start <= self.cell_frame_at)
 
     @property
     def went_on(self) -> bool:
@@ -1178,8 +1179,9 @@ class NumberRules:
         """A GAN whose discriminator won: a discriminator loss (never negative at the end: a BCE or hinge, not a
         WGAN critic) whose median over its last game_window values is game_d_zero or less after one of its first
         game_window values was at least game_d_zero x 10 (a discriminator can win within its first few logs), while
-        a generator loss's median over its last values is game_g_rise times its first values' median. The discriminator tells every fake from every real sample, and
-        the generator, which learns only from the discriminator's mistakes, has nothing left to learn from."""
+        a generator loss's median over its last values is game_g_rise times its first values' median. The
+        discriminator tells every fake from every real sample, and the generator, which learns only from the
+        discriminator's mistakes, has nothing left to learn from."""
         r = self.r
         done = [s for s in self.game.values() if s.count >= 2 * r.game_window]
         for d in (s for s in done if s.discriminator and s.tail_min() >= 0):
