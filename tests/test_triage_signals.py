@@ -134,7 +134,7 @@ def test_flat_and_zero_losses_and_grad_explosion():
      "\"C:\\env\\lib\\site-packages\\torch\\lib\\cudnn_cnn_infer64_8.dll\" or one of its dependencies.", "cpu-allocator-oom"),
     ("torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGKILL", "sigkill-in-log"),
     ("Batch 1183: Invalid loss, terminating training", "nonfinite-loss"),  # keras.callbacks.TerminateOnNaN
-    ("WARNING:root:NaN or Inf found in input tensor.", "nonfinite-printout"),  # tensorboardX's x2num.check_nan
+    ("WARNING:root:NaN or Inf found in input tensor.", "tensorboard-nonfinite"),  # tensorboardX's x2num.check_nan
     ("TERM_MEMLIMIT: job killed after reaching LSF memory usage limit.", "slurm-memory-limit-kill"),  # LSF job report
     ("ModuleNotFoundError: No module named 'flash_attn'", "stack-module-missing"),
     ("TERM_RUNLIMIT: job killed after reaching LSF run time limit.", "slurm-time-limit"),
@@ -733,7 +733,10 @@ def test_an_epoch_index_before_a_key_is_not_part_of_its_name():
     text = "Epoch[0] Train-SmoothL1=nan\n" + "".join(
         f"Epoch[1] Batch [{100 * b}]\tSpeed: 35.68 samples/sec\tTrain-SmoothL1={1.6 - 0.1 * b:.6f}\n" for b in range(1, n + 1))
     assert "nonfinite-metric" not in _find_ids(text)
-    assert "nonfinite-metric" in _find_ids(text + "Epoch[2] Train-SmoothL1=nan\n")  # NaN last: not recovered
+    # one more epoch-end nan is the same reset again (the key flickers); nan on every batch after it is not
+    assert "nonfinite-metric" not in _find_ids(text + "Epoch[2] Train-SmoothL1=nan\n")
+    stays = "".join(f"Epoch[2] Batch [{100 * b}]\tSpeed: 35.68 samples/sec\tTrain-SmoothL1=nan\n" for b in range(1, n + 1))
+    assert "nonfinite-metric" in _find_ids(text + "Epoch[2] Train-SmoothL1=nan\n" + stays)
 
 
 def test_torchvisions_image_extension_warning_is_the_weakest_evidence_never_none():
@@ -1764,3 +1767,113 @@ def test_caffes_test_net_outputs_are_test_losses():
     test = parse_text("I1201 13:19:02.250685  2928 solver.cpp:403]     Test net output #1: softmax_loss = 1.13505 (* 1 = 1.13505 "
                       "loss)\n", KEYS)[0]
     assert test.named == {"eval_loss:softmax loss": 1.13505}  # a named test loss, no point of the training curve
+
+
+def test_an_unbounded_limit_in_a_config_dump_is_no_metric():
+    # Retired blind 27 zh-001: PySlowFast pretty-prints its yacs config one key a line before a KeyError ends the run.
+    dump = "{'DATA': {'DECODING_BACKEND': 'pyav',\n          'DELTA_CLIPS_MAX': inf,\n          'DELTA_CLIPS_MIN': -inf,\n" \
+           "          'NUM_FRAMES': 16},\n"
+    r = classify_text(dump + "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\nKeyError: 'multi_cam_padding'\n")
+    assert "nonfinite-metric" not in r.signals and r.failure_class == "environment"
+    # a metric printed beside its step is a measurement, whatever its sign
+    assert "nonfinite-metric" in classify_text("step 10 | elbo: -1.2\nstep 20 | elbo: -inf\n").signals
+
+
+def test_a_metric_that_flickers_between_nan_and_a_number_is_a_mean_over_nothing():
+    # Retired blind 27 zh-007: per-organ Dice scores print `nan` for an organ absent from an epoch's validation
+    # batch and a number the next epoch; the losses beside them stay finite.
+    def epoch(e, eye):
+        return (f"Val Epoch {e}, iter 1, total time 21.8, loss {10 - e / 50:.6f}\n"
+                f"Brainstem :  {0.2 + e / 1000:.4f} , \nEye_AL :  {eye} , \n")
+    flicker = "".join(epoch(e, "nan" if e % 3 == 0 else f"{0.25 + e / 1000:.4f}") for e in range(1, 31))
+    assert "nonfinite-metric" not in classify_text(flicker).signals
+    # a metric that turns NaN and stays NaN is the run's numbers going wrong, even after it flickered
+    stays = "".join(epoch(e, "nan" if e > 20 else f"{0.25 + e / 1000:.4f}") for e in range(1, 31))
+    assert "nonfinite-metric" in classify_text(stays).signals
+    assert "nonfinite-metric" in classify_text(flicker[:flicker.index("Val Epoch 21,")] + stays[stays.index("Val Epoch 21,"):]).signals
+
+
+def test_keras_3_bars_drawn_with_equals_signs_are_redraws_mid_epoch():
+    # Retired blind 27 zi-015: a Windows PowerShell capture of Keras 3's fit keeps every redraw of the bar (drawn with
+    # `=` there), and its running mean sits at 0.0875 for the epoch's last twenty batches.
+    def bar(n, v):
+        return f"\x1b[1m{n}/143\x1b[0m \x1b[32m{'=' * (n * 20 // 143)}\x1b[0m\x1b[37m{'=' * (20 - n * 20 // 143)}\x1b[0m " \
+               f"\x1b[1m{(143 - n) * 2}s\x1b[0m 2s/step - accuracy: 0.9731 - loss: {v:.4f}\r\n"
+    text = "".join(bar(n, 0.0875 if n > 120 else 0.0900 - n / 50000) for n in range(100, 144))
+    text += "\x1b[1m143/143\x1b[0m \x1b[32m====================\x1b[0m 346s 2s/step - accuracy: 0.9746 - loss: 0.0858\r\n"
+    assert "flat-loss" not in classify_text(text).signals
+
+
+def test_keras_3s_last_bar_drawn_to_its_total_closes_the_fit():
+    # Development 23 yc-003 (Keras 3 in a notebook, `━`) and retired blind 27 zi-015 (the same bar in `=`): the line
+    # after the last epoch's header is its bar at its total - the fit ran to its end.
+    for bar in ("━" * 20, "=" * 20):
+        text = f"Epoch 8/8\n\x1b[1m1105/1105\x1b[0m \x1b[32m{bar}\x1b[0m\x1b[37m\x1b[0m \x1b[1m7700s\x1b[0m 7s/step - acc: 0.9844 - loss: 0.0436\n"
+        assert find(text).finished_at == 2
+        assert find(text.replace("1105/1105", "1104/1105")).finished_at is None
+
+
+def test_a_loss_that_prints_minus_zero_is_a_signed_value_rounded():
+    # Retired blind 27 zj-006: a toy PPO RLHF loop's surrogate loss averages about 0 and prints `-0.0000` and `0.0000`.
+    text = (LOGS / "none--b27zj-006.log").read_text()
+    assert "Avg Loss: -0.0000" in text and "flat-loss" not in classify_text(text).signals
+    # the same log with every loss printed 0.0000 is a zero run
+    assert "flat-loss" in classify_text(text.replace("-0.0000", "0.0000")).signals
+
+
+def test_tensorboardx_nan_warning_in_a_ray_tune_log_names_nothing():
+    # Retired blind 27 zj-009: RLlib under Tune; Tune's TensorBoard logger writes every number of a result, reward means
+    # over no finished episode among them, and tensorboardX warns on the root logger.
+    status = ("== Status ==\nMemory usage on this node: 26.1/62.8 GiB\nNumber of trials: 1 (1 RUNNING)\n"
+              "| PPO_PommeMultiAgent-1vs1_00000 | RUNNING  | 10.0.0.21:343746 |     46 |          1187.22 | 1884160 |  -1.5329 |\n")
+    warn = "WARNING:root:NaN or Inf found in input tensor.\n"
+    assert "tensorboard-nonfinite" not in classify_text(status + warn + status).signals
+    r = classify_text("epoch 3 step 300 train loss 2.1\n" + warn * 3)
+    assert "tensorboard-nonfinite" in r.signals and r.failure_class == "divergence"
+
+
+def test_a_bce_loss_at_exactly_its_clamp_is_every_prediction_saturated():
+    # Retired blind 27 zm-003: a DCGAN notebook; D falls toward 0 and G reads exactly 100.0, BCELoss's clamp.
+    rows = [(0.1808454841375351, 4.316741943359375), (0.055417198687791824, 5.237893581390381),
+            (0.030946003273129463, 6.286107063293457), (0.021906942129135132, 8.228336334228516),
+            (5.5146221711765975e-05, 100.0)]
+    text = "".join(f"epoch {3 * i + 3} Discriminator loss: {d!r} Generator loss: {g!r}\n" for i, (d, g) in enumerate(rows))
+    assert RULES.loss_clamp == 100
+    r = classify_text(text)
+    assert "loss-magnitude" in r.signals and r.failure_class == "divergence"
+    # a loss printed to one decimal that reads 100.0 is rounded there (a PPO value loss's `vloss=  100.0`)
+    rounded = "".join(f"[{i}] ep={i * 10} r= 92.7 ploss=-0.0209 vloss= {v:6.1f} ent=1.471\n"
+                      for i, v in enumerate([98.3, 101.2, 99.6, 100.0, 97.4]))
+    assert "loss-magnitude" not in classify_text(rounded).signals
+
+
+def test_a_kl_that_is_nan_beside_a_finite_loss_is_no_term_of_it():
+    # Development 30 yj-001: torchtune's GRPO recipe logs kl_div=nan (no reference policy to measure against) beside a
+    # finite loss on every step; a NaN term would have made the loss NaN.
+    text = (LOGS / "none--dev30yj-001.log").read_text()
+    assert "kl_div=nan, loss=-0.00596" in text
+    r = classify_text(text)
+    assert "nonfinite-loss" not in r.signals and r.failure_class == "none"
+    # a KL that is NaN with no finite loss beside it is still the run's numbers
+    bar = "1|{}|Loss: {}: 100%|██████████| 5/5 [02:15<00:00, 25.67s/it, entropy=0.377, kl_div=nan, loss={}, policy=-0.00219]\n"
+    assert "nonfinite-loss" in classify_text("".join(bar.format(i, "nan", "nan") for i in range(1, 6))).signals
+    assert "nonfinite-loss" in classify_text("".join(f"step {i} kl: nan reward: 0.4\n" for i in range(1, 6))).signals
+
+
+def test_an_error_its_program_calls_non_fatal_is_no_failure():
+    # Development 30 yj-013: ManiSkill's PPO example pushes each checkpoint with git, which refuses the ignored run
+    # folder; the program says so and trains on.
+    text = (LOGS / "none--dev30yj-013.log").read_text()
+    assert "git push failed (non-fatal): Command" in text
+    assert classify_text(text).failure_class == "none"
+    assert classify_text(text.replace(" (non-fatal)", "")).failure_class == "environment"
+
+
+def test_a_loops_own_message_that_the_user_interrupted_training_is_a_deliberate_stop():
+    # Development 30 yj-015: a PPO loop's KeyboardInterrupt handler logs "训练被用户中断" (training interrupted by the
+    # user), then saves the model and closes the environment.
+    r = classify_text((LOGS / "none--dev30yj-015.log").read_text())
+    assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "stopped")
+    rows = "".join(f"episode {i} reward {i % 7 - 3.5:.2f} loss {1 / (i + 1):.4f}\n" for i in range(20))
+    r = classify_text(rows + "Training interrupted by user. Saving model...\n")
+    assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "stopped")

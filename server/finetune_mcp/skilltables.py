@@ -314,6 +314,9 @@ class FailureSignal(Strict):
     patterns: list[str] = Field(default_factory=list, description="regexes searched in each log line")
     ignore_case: bool = False
     unless: list[str] = Field(default_factory=list, description="a matching line that also matches one of these is not this signal")
+    unless_log: list[str] = Field(default_factory=list, description="no line of a log that has a line matching one of these "
+                                                                    "is this signal (a launcher that prints its words about "
+                                                                    "something else)")
     exit_codes: list[int] = Field(default_factory=list, description="exit statuses that show this signal")
     exit_signals: list[int] = Field(default_factory=list, description="terminating signals that show this signal")
     records_rule: RecordsRule | None = None
@@ -335,6 +338,7 @@ class FailureSignal(Strict):
     def _consistent(self):
         _compiles(self.patterns, _re.I if self.ignore_case else 0)
         _compiles(self.unless, _re.I if self.ignore_case else 0)
+        _compiles(self.unless_log, 0)
         if not (self.patterns or self.exit_codes or self.exit_signals or self.records_rule or self.stop_request):
             raise ValueError(f"signal {self.id!r} has nothing to detect it: give patterns, exit_codes/exit_signals, records_rule or stop_request")
         if (self.failure_class == "none") != (self.none_kind is not None):
@@ -418,6 +422,8 @@ class RecordRules(Strict):
     loss_abs_max: float = Field(1e8, gt=0, description="a logged loss of this size or more, either sign, is broken numbers")
     huge_fall_factor: float = Field(100.0, gt=1, description="a loss that starts at loss_abs_max or more and whose last value is "
                                                               "this many times smaller was on a scale of its own, not broken")
+    loss_clamp: float = Field(0.0, ge=0, description="a loss exactly this value after full-precision prints of it is at a "
+                                                     "library's clamp (BCELoss's 100): every prediction saturated; 0: off")
     kl_max: float = Field(1.0, gt=0, description="a logged KL at or above this, after small ones, is a policy collapse")
     kl_rise_factor: float = Field(20.0, gt=1, description="the KL before it was at most kl_max / this")
     rl_fit_explained_variance: float = Field(0.5, gt=0, le=1, description="a reinforcement-learning loss whose value head's "

@@ -59,9 +59,9 @@ _NONFINITE = re.compile(r"(?<![\w'\"])(-?(?:nan|inf(?:inity)?))(?![\w'\"])", re.
 # trainer_state.json's log_history; a first loss scale of 0, DeepSpeed's "dynamic", is NumberRules' to skip.)
 _SETTING = re.compile(r"\w \.{3,} \S|\[default: ")
 # One `key: inf` alone on its line (after prefixes): an unbounded limit in an options or JSON config dump
-# (max_dataset_size: inf, "steps_per_print": inf); a metric that overflows is printed beside the step or
-# other metrics.
-_LONE_INF = re.compile(r"^\s*['\"]?[\w.\-]+['\"]?\s*[:=]\s*['\"]?inf(?:inity)?['\"]?,?\s*$", re.I)
+# (max_dataset_size: inf, "steps_per_print": inf, a yacs config's `'DELTA_CLIPS_MIN': -inf,` pretty-printed one
+# key a line); a metric that overflows is printed beside the step or other metrics.
+_LONE_INF = re.compile(r"^\s*['\"]?[\w.\-]+['\"]?\s*[:=]\s*['\"]?[-+]?inf(?:inity)?['\"]?,?\s*$", re.I)
 
 
 # wandb's end-of-run "Run summary:" block, `wandb:   train_loss 0.01375`: the last values restated, not a
@@ -871,15 +871,15 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
         if clean[:1] in "TtVvEe[" and (phase := _PHASE.match(clean)):
             table.evaluating = phase.group(1) is not None or phase.group(2) is not None
         keras_eval, bar = False, None
-        if table.epoch is not None and clean[:8].lstrip()[:1].isdigit() and (bar := _KERAS_BAR.match(clean)):
+        if clean[:8].lstrip()[:1].isdigit() and (bar := _KERAS_BAR.match(clean)) and table.epoch is not None:
             # Keras: a progress bar after the epoch's closing bar (`49/49 [====] - 35s 719ms/step - loss: ...`) with
             # no `Epoch N/M` line between is a model.evaluate() or predict() after fit, not a training step.
             keras_eval = table.fit_closed
             if bar.group(1) == bar.group(2) and "/step" in clean:
                 table.fit_closed = True
         m = parse_line(Metric(i + first_line, lines[i], seen_as=hash(clean)), keys, clean, table)
-        if bar is not None and " ETA: " in clean:
-            m.redraw = True
+        if bar is not None and (" ETA: " in clean or bar.group(1) != bar.group(2)):
+            m.redraw = True  # a bar before its epoch's last batch: Keras 2 says ETA, Keras 3 the time left (`36s`)
         if carries(m):
             if m.epoch is None:
                 m.epoch = table.epoch
@@ -918,9 +918,10 @@ def _as_evaluation(m: Metric) -> None:
 
 # A line that only announces the epoch its next records belong to (Keras' model.fit, many plain loops).
 _EPOCH_HEADER = re.compile(r"\s*Epoch\s*:?\s*(\d+)\s*/\s*\d+\s*:?\s*$", re.I)
-# Keras' progress bar: `14/49 [=====>.....] - ETA: 9s - loss: ...` (Keras 2), `14/49 ━━━━━━━━━━ 9s ...` (Keras 3), with
-# srun's task label before it (`0: 19/19 [====...`: the label stays on a line that starts with a number).
-_KERAS_BAR = re.compile(r"\s*(?:\d{1,4}:\s+)?(\d+)/(\d+) (?:\[[=>.]+\]|[━─]+)")
+# Keras' progress bar: `14/49 [=====>.....] - ETA: 9s - loss: ...` (Keras 2), `14/49 ━━━━━━━━━━ 9s ...` (Keras 3; drawn
+# with `=` where the console cannot show ━, a Windows PowerShell capture), with srun's task label before it
+# (`0: 19/19 [====...`: the label stays on a line that starts with a number).
+_KERAS_BAR = re.compile(r"\s*(?:\d{1,4}:\s+)?(\d+)/(\d+) (?:\[[=>.]+\]|[━─]+|=+ )")
 
 
 # IPython's traceback frame header: IPython 8's `File /x/trainer.py:2555, in Trainer._inner_training_loop(...)` and

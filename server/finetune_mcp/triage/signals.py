@@ -66,10 +66,10 @@ _BAR_DONE = re.compile(r"100%\|[^|\n]*\|\s*(\d+)/\1\b")
 _BAR_RAN = re.compile(r"\| *(\d+)/\d+ \[[\d:]+<[^\n\]]*loss", re.I)
 
 
-# Keras' fit: the header of its last epoch (`Epoch 100/100`), then that epoch's bar drawn to its total (`536/536 [====`;
-# the cleaner leaves srun's task label before a number, `0: 536/536 [====`).
+# Keras' fit: the header of its last epoch (`Epoch 100/100`), then that epoch's bar drawn to its total (`536/536 [====`,
+# Keras 3's `536/536 ━━━━`; the cleaner leaves srun's task label before a number, `0: 536/536 [====`).
 _KERAS_LAST_EPOCH = re.compile(r"^[ \t]*Epoch (\d+)/\1[ \t]*$", re.M)
-_KERAS_BAR_DONE = re.compile(r"^\s*(?:\d{1,4}:\s+)?(\d+)/\1 \[=+\]")
+_KERAS_BAR_DONE = re.compile(r"^\s*(?:\d{1,4}:\s+)?(\d+)/\1 (?:\[=+\]|[━=]+ )")
 
 
 def _lines_matching(log: "Log", comp: "Compiled", patterns: list[re.Pattern]) -> set[int]:
@@ -251,11 +251,14 @@ class Compiled:
         self.keys = KeyMap.from_table(table.metric_keys)
         self.line_signals: list[tuple[Any, list[re.Pattern]]] = []
         self.unless: dict[str, list[re.Pattern]] = {}
+        self.unless_log: dict[str, list[re.Pattern]] = {}
         for s in table.signals:
             if s.patterns:
                 flags = re.M | (re.I if s.ignore_case else 0)
                 self.line_signals.append((s, [re.compile(p, flags) for p in s.patterns]))
                 self.unless[s.id] = [re.compile(p, flags) for p in s.unless]
+            if s.unless_log:
+                self.unless_log[s.id] = [re.compile(p, re.M) for p in s.unless_log]
         self.markers = [re.compile(p, re.M) for p in table.failure_markers]
         self.finished = [re.compile(p, re.M) for p in table.finished_markers]
         self.launches = [re.compile(p, re.M) for p in table.launch_markers]
@@ -520,6 +523,8 @@ def word_hits(log: Log, comp: Compiled, records: set[int] = frozenset()) -> dict
         if matched and unless:
             # What the `unless` patterns match is cut from the line; the signal counts if it still matches the rest.
             matched = {i for i in matched if _still(log.clean[i], pats, unless)}
+        if matched and s.id in comp.unless_log and any(p.search(log.text) for p in comp.unless_log[s.id]):
+            matched = set()  # the log is one whose launcher prints these words about something else (unless_log)
         if matched:
             out[s.id] = Hit(s, [(i + log.first_line, log.lines[i]) for i in sorted(matched)][:MAX_LINES_PER_HIT * 4],
                             last=max(matched) + log.first_line)
@@ -573,12 +578,17 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
             if slot is not None and slot.partition(":")[0] in _CHECKED_KINDS:
                 continue
             found.setdefault(i, []).append(printed)
-    last = {key: i for i, keys in found.items() for key in keys}
-    lasting = {key for key, i in last.items() if not _recovered(log, key, i, comp.table.records.nonfinite_recovered_logs)}
+    at: dict[str, list[int]] = {}  # key -> the line indexes where it is printed non-finite
+    for i, keys in found.items():
+        for key in keys:
+            at.setdefault(key, []).append(i)
+    enough = comp.table.records.nonfinite_recovered_logs
+    lasting = {key for key, lines in at.items()
+               if not _recovered(log, key, lines[-1], enough) and not _flickers(log, key, lines, enough)}
     lines = [(i + log.first_line, log.lines[i]) for i, keys in found.items() if lasting.intersection(keys)][:MAX_LINES_PER_HIT]
     if not lines:
         return []
-    names = dict.fromkeys(normalise_key(k) for k in last if k in lasting)
+    names = dict.fromkeys(normalise_key(k) for k in at if k in lasting)
     return [Hit(sig, lines, f"non-finite (NaN or inf) values in {', '.join(list(names)[:6])}")]
 
 
@@ -594,20 +604,34 @@ def _scaler_value(v: float) -> bool:
     return abs(e - round(e)) < 0.002
 
 
+def _finite_prints(log: Log, key: str, line: int) -> Iterator[int]:
+    """Where `key` is printed with a finite number after line index `line` (text offsets)."""
+    pat = re.compile(r"(?<![\w.])" + re.escape(key) + r"['\"]?\s*(?:[:=]|\s\|)\s*['\"]?[-+]?\.?\d")
+    start = log.starts[line + 1] if line + 1 < len(log.starts) else len(log.text)
+    return (m.start() for m in pat.finditer(log.text, start))
+
+
 def _recovered(log: Log, key: str, line: int, enough: int) -> bool:
     """True when `key` is printed with a finite number at least `enough` times after its last non-finite
     value (line index `line`): a validation error of inf at the first epoch that is finite ever after is
     a transient, not the run's numbers going wrong."""
-    if enough <= 0:
+    return enough > 0 and any(n + 1 >= enough for n, _ in enumerate(_finite_prints(log, key, line)))
+
+
+def _flickers(log: Log, key: str, bad: list[int], enough: int) -> bool:
+    """True when `key` goes back and forth between NaN and a number: finite at least `enough` times after its
+    first non-finite value (line indexes `bad`), and non-finite fewer than `enough` times after its last finite
+    one. Weights that went NaN stay NaN, so a metric computed from them cannot be finite again: what flickers is
+    a mean over an empty set (a per-class Dice score for an organ absent from the validation batch, `Eye_AL :  nan
+    ,` one epoch and `0.263` the next; MXNet's epoch-end summary of a metric it has just reset), not the run's
+    numbers going wrong. A key that ends NaN for `enough` prints or more went wrong there, whatever came before."""
+    if enough <= 0 or len(bad) < 2:
         return False
-    pat = re.compile(r"(?<![\w.])" + re.escape(key) + r"['\"]?\s*(?:[:=]|\s\|)\s*['\"]?[-+]?\.?\d")
-    start = log.starts[line + 1] if line + 1 < len(log.starts) else len(log.text)
-    count = 0
-    for _ in pat.finditer(log.text, start):
-        count += 1
-        if count >= enough:
-            return True
-    return False
+    finite = list(_finite_prints(log, key, bad[0]))
+    if len(finite) < enough:
+        return False
+    tail = bisect.bisect_right(bad, log.line_of(finite[-1]))
+    return len(bad) - tail < enough
 
 
 def _still(line: str, pats: list[re.Pattern], unless: list[re.Pattern]) -> bool:
@@ -654,6 +678,9 @@ def exit_hits(comp: Compiled, code: int | None, sig_no: int | None, stopped_by: 
 
 def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
+
+
+_PRECISE_DIGITS = 6  # a value printed with this many significant digits or more is printed whole, not rounded
 
 
 def _significant_digits(v: float) -> int:
@@ -928,6 +955,8 @@ class NumberRules:
         self.big_loss: float | None = None  # the loss of the record with the last grad norm at or above it
         self.huge: list[tuple[Metric, str, float]] = []
         self.huge_start: list[tuple[Metric, str, float]] = []  # huge, but no bigger than where that loss started (see _huge)
+        self.precise: set[str] = set()  # losses printed with _PRECISE_DIGITS significant digits or more
+        self.clamped: list[tuple[Metric, str, float]] = []  # a precise loss at exactly loss_clamp (see _huge)
         self.ends: dict[str, list[float]] = {}  # each loss's (and KL's) first and last finite value
         self._adv: dict[str, bool] = {}
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
@@ -967,7 +996,8 @@ class NumberRules:
         self.run_high: float | None = None  # the highest and lowest loss of this run (since the last restart)
         self.run_low: float | None = None
         self.zero_seen = False  # this run logged a loss of 0
-        self.tiny_seen = False  # ... and after it one above 0 and at most zero_print_floor: its zeros are a print's rounding
+        # ... and after it one above 0 and at most zero_print_floor, or a -0: its zeros are a print's rounding
+        self.tiny_seen = False
         self.points: set[tuple] = set()  # (epoch, step, loss) of this run's records, to see a replay
         self.step_last: float | None = None  # the step of the last record with a step and a finite loss
         self.point_last: tuple | None = None  # and its (epoch, step, loss)
@@ -1107,6 +1137,11 @@ class NumberRules:
                 losses.append((name, v))
             elif kind in ("eval_loss", "kl"):
                 if not math.isfinite(v):
+                    if kind == "kl" and _finite(m.loss):
+                        # A KL that is NaN beside a finite loss in the same record is no term of that loss (NaN
+                        # carries through any sum): an estimate the trainer could not make (torchtune's kl_div=nan
+                        # with no reference policy).
+                        continue
                     self._bad(m, name)
                 elif kind == "kl":
                     self._kl(m, name, v)
@@ -1200,6 +1235,11 @@ class NumberRules:
         if ends is None:
             ends = self.ends[name] = [v, v]
         ends[1] = v
+        if v == self.r.loss_clamp and v and name in self.precise:
+            if len(self.clamped) < MAX_LINES_PER_HIT:
+                self.clamped.append((m, name, v))  # at BCELoss's clamp, not a rounding (see the table's loss_clamp)
+        elif _significant_digits(v) >= _PRECISE_DIGITS:
+            self.precise.add(name)
         if abs(v) < self.r.loss_abs_max:
             return
         kept = self.huge_start if abs(v) <= abs(ends[0]) else self.huge
@@ -1266,6 +1306,8 @@ class NumberRules:
         self.finite_count += 1
         if m.loss == 0:
             self.zero_seen = True
+            if math.copysign(1.0, m.loss) < 0:
+                self.tiny_seen = True  # '-0.0000': a signed objective (PPO's surrogate) rounded to 0, not exactly 0
         elif self.zero_seen and abs(m.loss) <= r.zero_print_floor:
             self.tiny_seen = True  # the loss left 0 for a value at the print's last digit: it flickers there
         self.run_high = m.loss if self.run_high is None else max(self.run_high, m.loss)
@@ -1437,6 +1479,11 @@ class NumberRules:
                                                   f"(line {last_m.line}), {last_v / low_v:.1f}x")
                 break
         huge = self.huge + [h for h in self.huge_start if not self._fell_from_start(h[1])]
+        if self.clamped and not huge:
+            m0, name, v = self.clamped[0]
+            add("loss-magnitude", [m for m, _, _ in self.clamped],
+                f"{'the loss' if name == 'loss' else name} reads exactly {v:g} at line {m0.line}, after prints of it at "
+                f"{_PRECISE_DIGITS} significant digits or more: BCELoss's clamp, every prediction saturated")
         if huge:
             huge.sort(key=lambda h: h[0].line)
             m0, name, v = huge[0]
