@@ -961,10 +961,13 @@ def test_a_loss_that_never_moved_from_its_first_log_is_stuck():
     # A plateau the run leaves (a loss-plateau study: 2.43 for twenty logs, then 0.01) moved.
     plateau = [round(2.4311 + 0.0001 * ((i * 37) % 23 - 11), 4) for i in range(20)] + [1.2, 0.3, 0.05, 0.012]
     assert _ids(_losses(plateau)) == []
-    # An earlier run appended to the log that never moved still counts (its curve closes at the restart).
+    # An earlier run appended to the log that never moved still counts (its curve closes at the restart), unless the
+    # log's last run learned (flat_superseded_fall): the stuck run was abandoned for one that trained.
     appended = [Metric(i + 1, "x", epoch=1.0 + i, loss=v) for i, v in enumerate(pinned[:n])]
-    appended += [Metric(n + i + 1, "x", epoch=1.0 + i, loss=v) for i, v in enumerate([2.0, 1.5, 1.1, 0.9, 0.8])]
+    appended += [Metric(n + i + 1, "x", epoch=1.0 + i, loss=v) for i, v in enumerate([2.0, 1.95, 1.9, 1.92, 1.88])]
     assert "flat-loss" in _ids(appended)
+    relaunched = appended[:n] + [Metric(n + i + 1, "x", epoch=1.0 + i, loss=v) for i, v in enumerate([2.0, 1.5, 1.1, 0.9, 0.8])]
+    assert "flat-loss" not in _ids(relaunched)
 
 
 def test_a_run_that_ends_at_ln_k_is_a_uniform_guess():
@@ -1877,3 +1880,14 @@ def test_a_loops_own_message_that_the_user_interrupted_training_is_a_deliberate_
     rows = "".join(f"episode {i} reward {i % 7 - 3.5:.2f} loss {1 / (i + 1):.4f}\n" for i in range(20))
     r = classify_text(rows + "Training interrupted by user. Saving model...\n")
     assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "stopped")
+
+
+def test_a_stuck_run_the_log_relaunched_past_is_not_how_it_ends():
+    # Retired blind 27 zh-006: four launches of a steganalysis CNN sit at ln 2 (0.6933, val_auc 0.500), then a fifth
+    # trains from 0.37 to 0.22 (val_auc 0.98) and the script finishes its experiment.
+    text = (LOGS / "none--b27zh-006.log").read_text()
+    assert RULES.flat_superseded_fall > 0
+    assert classify_text(text).failure_class == "none"
+    # the log cut after the stuck launches ends pinned at chance: a failure
+    stuck = "\n".join(text.split("\n")[:102]) + "\n"
+    assert "Epoch 023 | loss=0.6933" in stuck and "flat-loss" in classify_text(stuck).signals

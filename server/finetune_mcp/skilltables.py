@@ -401,6 +401,9 @@ class RecordRules(Strict):
     zero_loss_run: int = Field(ge=2, description="this many logged losses of exactly 0 in a row: nothing is trained")
     zero_print_floor: float = Field(0.0, ge=0, description="a run whose loss leaves 0 again for a value above 0 and at "
                                                           "most this prints its zeros rounded (0.000000 between 0.000001s)")
+    flat_superseded_fall: float = Field(0.0, ge=0, lt=1, description="a flat loss of an earlier run is set aside when the "
+                                                                  "log's last run fell to this share of its first loss or lower "
+                                                                  "(0: never)")
     flat_converged_factor: float = Field(0.0, ge=0, description="a loss flat at the lowest value of its run, this x below "
                                          "its highest, is a converged run, not a stuck one (0: never)")
     flat_converged_near: float = Field(0.0, ge=0, lt=1, description="'at the lowest value' within this share of the value "

@@ -984,6 +984,9 @@ class NumberRules:
         # flat-loss state
         self.run_vals: list[Metric] = []
         self.flat: tuple[list[Metric], str] | None = None
+        self.flat_before: tuple[list[Metric], str] | None = None  # a flat loss an earlier run of the log showed
+        self.run_first: float | None = None  # the current run's first finite loss
+        self.run_count = 0  # ... and how many it logged
         self.recent: deque[Metric] = deque(maxlen=self.r.flat_repeat_window)
         self.recent_vals: deque[float | tuple[float, ...]] = deque(maxlen=self.r.flat_repeat_window)  # loss, or (loss, perplexities)
         self.seen_windows: dict[tuple[float, ...], tuple[int, int, str]] = {}
@@ -1012,10 +1015,15 @@ class NumberRules:
     def _restart(self):
         """A new run began - the epoch went back, HF's end-of-training summary closed a train() call, or a record
         repeated an earlier one exactly (a replay): the curve rules start over, so the new run's first losses are
-        not read against the old run's minimum. What the old run already showed (a flat loss, a KL blow-up, a
-        NaN) stays."""
+        not read against the old run's minimum. What the old run already showed (a KL blow-up, a NaN) stays; its
+        flat loss stays unless the log's last run learned (_last_run_learned)."""
         self._close_run()  # a flat stretch the old run ended on is judged as it stands
         self._close_still()
+        if self.flat is not None:
+            if self.flat_before is None:
+                self.flat_before = self.flat
+            self.flat = None
+        self.run_first, self.run_count = None, 0
         for se in self.series.values():  # and its own lasting spikes and rise, against its own curve
             if len(self.closed_series) < MAX_CLOSED_SERIES:
                 self.closed_series.append(se)
@@ -1290,6 +1298,13 @@ class NumberRules:
         self.scale_max = v if self.scale_max is None else max(self.scale_max, v)
         self.loss_scale_last = v
 
+    def _last_run_learned(self) -> bool:
+        """The log's last run (after a restart) logged 3 losses or more and fell to flat_superseded_fall x its first
+        loss or lower: an earlier run's flat loss was abandoned for one that trained (a stuck run spreads nothing)."""
+        f = self.r.flat_superseded_fall
+        return bool(f and self.run_first and self.run_first > 0 and self.run_count >= 3 and self.run_low is not None
+                    and self.run_low <= f * self.run_first)
+
     def _converged(self, values) -> bool:
         """Flat at the lowest loss of the run (within flat_converged_near of the value), flat_converged_factor x below
         its highest - for a signed objective (a negative log-likelihood), as far below it as that factor puts a positive
@@ -1304,6 +1319,9 @@ class NumberRules:
     def _flat(self, m: Metric):
         r = self.r
         self.finite_count += 1
+        if self.run_first is None:
+            self.run_first = m.loss
+        self.run_count += 1
         if m.loss == 0:
             self.zero_seen = True
             if math.copysign(1.0, m.loss) < 0:
@@ -1516,6 +1534,8 @@ class NumberRules:
         self._close_still()
         if self.flat:
             add("flat-loss", self.flat[0], self.flat[1])
+        elif self.flat_before and not self._last_run_learned():
+            add("flat-loss", self.flat_before[0], self.flat_before[1])
         return out
 
 
