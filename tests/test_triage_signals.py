@@ -1080,22 +1080,28 @@ def test_lines_end_without_every_carriage_return_python_on_windows_wrote():
     assert split_lines("a\r\r\nb\r\nc\rd\n") == ["a", "b", "c\rd"]
 
 
-def test_a_later_notebook_cells_error_after_training_finished_is_not_the_trainings():
+def test_a_later_notebook_cells_error_after_training_finished_is_not_the_trainings_if_the_notebook_went_on():
     bars = "".join(f"Epoch {e}/5\n536/536 [==============================] - 2s 4ms/step - loss: {0.6 - e / 20:.4f} - "
                    f"accuracy: 0.85 - val_loss: 0.37 - val_accuracy: 0.84\n" for e in range(1, 6))
     cell = ("\x1b[0;31mKeyError\x1b[0m                                  Traceback (most recent call last)\n"
             "\x1b[0;32m<ipython-input-9-95de25879312>\x1b[0m in \x1b[0;36m<module>\x1b[0;34m\x1b[0m\n"
             "\x1b[0;32m----> 1\x1b[0;31m \x1b[0mplt\x1b[0m\x1b[0;34m.\x1b[0m\x1b[0mplot\x1b[0m\x1b[0;34m(\x1b[0m\x1b[0mhistory\x1b[0m\x1b[0;34m[\x1b[0m\x1b[0;34m'acc'\x1b[0m\x1b[0;34m]\x1b[0m\x1b[0;34m)\x1b[0m\n"
             "\n\x1b[0;31mKeyError\x1b[0m: 'acc'\n")
-    r = classify_text(bars + cell)
+    # the cells after it ran (an evaluation, a confusion matrix): the notebook went on past the plot's error
+    went = "<Figure size 432x288 with 1 Axes>\n63/63 [==============================] - 0s 1ms/step\n[[1517   78]\n [ 161  244]]\n"
+    r = classify_text(bars + cell + went)
     assert r.failure_class == "none" and r.runner_up.failure_class == "environment"
     assert any("536/536" in t for _, t in r.evidence) and any("KeyError" in t for _, t in r.evidence)
     # ipykernel 6 names the cell's code by a file, IPython 8 by `Cell In[12]`.
     for frame in ("/tmp/ipykernel_451042/622961601.py in <module>", "Cell In[12], line 1"):
-        assert classify_text(bars + cell.replace("\x1b[0;32m<ipython-input-9-95de25879312>\x1b[0m", frame)).failure_class == "none"
+        framed = cell.replace("\x1b[0;32m<ipython-input-9-95de25879312>\x1b[0m", frame)
+        assert classify_text(bars + framed + went).failure_class == "none"
     # srun --label's task number before every line (the cleaner keeps it before a number: `0: 536/536 [====`).
-    labelled = "".join(f"0: {line}\n" for line in (bars + cell).splitlines())
+    labelled = "".join(f"0: {line}\n" for line in (bars + cell + went).splitlines())
     assert classify_text(labelled).failure_class == "none"
+    # a notebook that ends on that error: its last step failed (environment, healthy training the runner-up)
+    r = classify_text(bars + cell)
+    assert r.failure_class == "environment" and r.runner_up.failure_class == "none"
     # The same error from a script, or in a cell while the last epoch had not finished, is a failure.
     script = 'Traceback (most recent call last):\n  File "train.py", line 40, in <module>\n    plt.plot(history["acc"])\nKeyError: \'acc\'\n'
     assert classify_text(bars + script).failure_class == "environment"
@@ -1891,3 +1897,19 @@ def test_a_stuck_run_the_log_relaunched_past_is_not_how_it_ends():
     # the log cut after the stuck launches ends pinned at chance: a failure
     stuck = "\n".join(text.split("\n")[:102]) + "\n"
     assert "Epoch 023 | loss=0.6933" in stuck and "flat-loss" in classify_text(stuck).signals
+
+
+def test_a_later_cells_error_is_the_jobs_end_unless_the_notebook_went_on_past_it():
+    # Development 16 pa-004: Keras fit runs all 100 epochs, a plotting cell raises KeyError: 'acc', and the cells after
+    # it print an evaluation bar and a confusion matrix - the notebook went on: healthy, environment the runner-up.
+    text = (LOGS / "none--dev16pa-004.log").read_text()
+    r = classify_text(text)
+    assert r.failure_class == "none" and r.runner_up.failure_class == "environment"
+    # the same notebook ending on that error: its last step failed - environment, healthy training the runner-up
+    lines = text.split("\n")
+    end = next(i for i in range(len(lines) - 1, -1, -1) if "KeyError" in lines[i]) + 1
+    r = classify_text("\n".join(lines[:end]) + "\n")
+    assert r.failure_class == "environment" and r.runner_up.failure_class == "none" and "later notebook cell" in r.reason
+    # retired blind 24 xd-016: trainer.train() ends, a later cell's push_to_hub fails and the notebook ends there
+    r = classify_text((LOGS / "environment--b24xd-016.log").read_text())
+    assert r.failure_class == "environment" and r.runner_up.failure_class == "none"

@@ -472,6 +472,11 @@ class Findings:
         return (self._records_after(hit.last_line) or self._finished_after(hit.last_line) or self._launched_after(hit.last_line)
                 or (hit.signal.before_run and self.cell_traceback_after(hit.last_line)))
 
+    def printed_after(self, line: int) -> int:
+        """Non-blank lines the log printed after `line` (1-based), counted in the tail it keeps (TAIL_LINES at most)."""
+        n = self.line_count - line
+        return sum(1 for x in (self.tail[-n:] if 0 < n else []) if x.strip())
+
     def cell_traceback_after(self, line: int | None) -> bool:
         """The log's last traceback is a notebook cell's (its frames name the cell), begun after `line`: a later cell ran."""
         start = self.last_traceback_at or (self.exception[0] if self.exception else None)
