@@ -378,7 +378,7 @@ def test_escapes_and_prefixes_do_not_hide_a_signal(name, prefix):
 
 @pytest.mark.parametrize("name", ["oom-nccl-timeout-after-rank-oom-swift.log", "none-healthy-torchtune-lora-multinode.log",
                                   "divergence-dreamer-pytorch-named-losses-nan-table.log", "none-healthy-ray-train-result-table.log",
-                                  "none--b17mb-002.log"])
+                                  "none--b17mb-002.log", "environment--b27zh-007.log"])
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-16"])  # utf-16: as PowerShell's `python train.py > log` writes it
 def test_a_big_log_streamed_reads_as_the_whole_text_does(tmp_path, monkeypatch, name, encoding):
     import finetune_mcp.triage.signals as S

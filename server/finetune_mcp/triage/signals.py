@@ -11,7 +11,7 @@ import codecs
 import math
 import re
 import signal as _signal
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -560,10 +560,76 @@ _CHECKED_KINDS = ("loss", "eval_loss", "grad_norm", "loss_scale", "kl")
 
 def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
     """NaN or inf in a logged metric no other rule reads (any name but the table's nonfinite_ignore words)."""
-    sig = comp.by_rule.get("nonfinite-metric")
-    if sig is None:
-        return []
-    found: dict[int, list[str]] = {}  # line index -> the keys printed non-finite on it, as printed
+    keys = NonfiniteKeys(comp)
+    keys.feed(log)
+    return keys.hits()
+
+
+class NonfiniteKeys:
+    """nonfinite-metric over a log read whole or in chunks (fed in order): per key printed non-finite, what decides
+    whether its NaN lasted - finite prints after its last non-finite one (recovered) and after its first, and
+    non-finite ones after its last finite print (flickers) - counted line by line, so chunks read as the whole does."""
+
+    def __init__(self, comp: Compiled):
+        self.comp = comp
+        self.enough = comp.table.records.nonfinite_recovered_logs
+        self.state: dict[str, list] = {}  # printed key -> [first bad, last bad, bad count, finite after first bad,
+        #                                  finite after last bad, last finite line, bad after last finite, first bad lines]
+
+    def feed(self, log: Log) -> None:
+        found = _nonfinite_found(log, self.comp)
+        bad: dict[str, list[int]] = {}  # key -> its non-finite lines in this chunk (indexes)
+        for i, keys in found.items():
+            for key in keys:
+                lines = bad.setdefault(key, [])
+                if not lines or lines[-1] != i:
+                    lines.append(i)
+        for key in dict.fromkeys([*self.state, *bad]):
+            mine = bad.get(key, [])
+            start = log.starts[mine[0]] if key not in self.state else 0
+            finite = Counter(log.line_of(pos) for pos in _finite_prints(log, key, start))
+            events = sorted(set(mine) | set(finite))
+            for i in events:
+                s = self.state.get(key)
+                g = i + log.first_line
+                if i in found and key in found[i]:
+                    if s is None:
+                        s = self.state[key] = [g, g, 0, 0, 0, None, 0, []]
+                    s[1], s[2], s[4] = g, s[2] + 1, 0
+                    s[6] += 1
+                    if len(s[7]) < MAX_LINES_PER_HIT:
+                        s[7].append((g, log.lines[i]))
+                if s is not None and i in finite and g > s[0]:
+                    s[3] += finite[i]
+                    if g > s[1]:
+                        s[4] += finite[i]
+                    s[5], s[6] = g, 0
+
+    def _lasting(self, s: list) -> bool:
+        first, last, count, after_first, after_last, _, tail, _ = s
+        if self.enough <= 0:
+            return True
+        recovered = after_last >= self.enough
+        # Weights that went NaN stay NaN, so a metric computed from them cannot be finite again: one that goes back and
+        # forth between NaN and a number is a mean over an empty set (a per-class Dice score for an organ absent from the
+        # validation batch; MXNet's epoch-end summary of a metric it has just reset). One that ends NaN for `enough`
+        # prints or more went wrong there, whatever came before.
+        flickers = count >= 2 and after_first >= self.enough and tail < self.enough
+        return not (recovered or flickers)
+
+    def hits(self) -> list[Hit]:
+        sig = self.comp.by_rule.get("nonfinite-metric")
+        lasting = [k for k, s in self.state.items() if self._lasting(s)]
+        if sig is None or not lasting:
+            return []
+        lines = sorted({ln for k in lasting for ln in self.state[k][7]})[:MAX_LINES_PER_HIT]
+        names = dict.fromkeys(normalise_key(k) for k in lasting)
+        return [Hit(sig, lines, f"non-finite (NaN or inf) values in {', '.join(list(names)[:6])}")]
+
+
+def _nonfinite_found(log: Log, comp: Compiled) -> dict[int, list[str]]:
+    """Line index -> the metric keys printed non-finite on it, as printed (nonfinite-metric's candidates)."""
+    found: dict[int, list[str]] = {}
     # Only the lines holding a NaN/inf word are read (found in C over the whole text, as the word scan is).
     candidates = sorted({log.line_of(m.start()) for m in _NONFINITE_WORD.finditer(log.text)})
     for i in candidates:
@@ -583,18 +649,7 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
             if slot is not None and slot.partition(":")[0] in _CHECKED_KINDS:
                 continue
             found.setdefault(i, []).append(printed)
-    at: dict[str, list[int]] = {}  # key -> the line indexes where it is printed non-finite
-    for i, keys in found.items():
-        for key in keys:
-            at.setdefault(key, []).append(i)
-    enough = comp.table.records.nonfinite_recovered_logs
-    lasting = {key for key, lines in at.items()
-               if not _recovered(log, key, lines[-1], enough) and not _flickers(log, key, lines, enough)}
-    lines = [(i + log.first_line, log.lines[i]) for i, keys in found.items() if lasting.intersection(keys)][:MAX_LINES_PER_HIT]
-    if not lines:
-        return []
-    names = dict.fromkeys(normalise_key(k) for k in at if k in lasting)
-    return [Hit(sig, lines, f"non-finite (NaN or inf) values in {', '.join(list(names)[:6])}")]
+    return found
 
 
 def _scaler_value(v: float) -> bool:
@@ -609,34 +664,10 @@ def _scaler_value(v: float) -> bool:
     return abs(e - round(e)) < 0.002
 
 
-def _finite_prints(log: Log, key: str, line: int) -> Iterator[int]:
-    """Where `key` is printed with a finite number after line index `line` (text offsets)."""
+def _finite_prints(log: Log, key: str, start: int) -> Iterator[int]:
+    """Where `key` is printed with a finite number from text offset `start` on (offsets)."""
     pat = re.compile(r"(?<![\w.])" + re.escape(key) + r"['\"]?\s*(?:[:=]|\s\|)\s*['\"]?[-+]?\.?\d")
-    start = log.starts[line + 1] if line + 1 < len(log.starts) else len(log.text)
     return (m.start() for m in pat.finditer(log.text, start))
-
-
-def _recovered(log: Log, key: str, line: int, enough: int) -> bool:
-    """True when `key` is printed with a finite number at least `enough` times after its last non-finite
-    value (line index `line`): a validation error of inf at the first epoch that is finite ever after is
-    a transient, not the run's numbers going wrong."""
-    return enough > 0 and any(n + 1 >= enough for n, _ in enumerate(_finite_prints(log, key, line)))
-
-
-def _flickers(log: Log, key: str, bad: list[int], enough: int) -> bool:
-    """True when `key` goes back and forth between NaN and a number: finite at least `enough` times after its
-    first non-finite value (line indexes `bad`), and non-finite fewer than `enough` times after its last finite
-    one. Weights that went NaN stay NaN, so a metric computed from them cannot be finite again: what flickers is
-    a mean over an empty set (a per-class Dice score for an organ absent from the validation batch, `Eye_AL :  nan
-    ,` one epoch and `0.263` the next; MXNet's epoch-end summary of a metric it has just reset), not the run's
-    numbers going wrong. A key that ends NaN for `enough` prints or more went wrong there, whatever came before."""
-    if enough <= 0 or len(bad) < 2:
-        return False
-    finite = list(_finite_prints(log, key, bad[0]))
-    if len(finite) < enough:
-        return False
-    tail = bisect.bisect_right(bad, log.line_of(finite[-1]))
-    return len(bad) - tail < enough
 
 
 def _still(line: str, pats: list[re.Pattern], unless: list[re.Pattern]) -> bool:
@@ -1251,7 +1282,7 @@ class NumberRules:
         if v == self.r.loss_clamp and v and name in self.precise:
             if len(self.clamped) < MAX_LINES_PER_HIT:
                 self.clamped.append((m, name, v))  # at BCELoss's clamp, not a rounding (see the table's loss_clamp)
-        elif _significant_digits(v) >= _PRECISE_DIGITS:
+        elif name not in self.precise and _significant_digits(v) >= _PRECISE_DIGITS:
             self.precise.add(name)
         if abs(v) < self.r.loss_abs_max:
             return
@@ -1758,6 +1789,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     first_line = 1
     tail: list[str] = []
     other_marked = level_marked = False  # a failure line that is not a logger's level line / one that is
+    nonfinite = NonfiniteKeys(comp)
     with open(path, "rb") as fh:
         decoder = codecs.getincrementaldecoder(log_encoding(fh.read(4096)))(errors="replace")
         fh.seek(0)
@@ -1775,8 +1807,9 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             del data  # one copy of the chunk in memory, not two
             log = Log(chunk, first_line=first_line)
             chunk_metrics = list(line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line, end=not block))
-            _merge_hits(by_id, [*word_hits(log, comp, {m.line - first_line for m in chunk_metrics}).values(),
-                                *nonfinite_metric_hits(log, comp)], most=MAX_LINES_PER_HIT * 4)
+            _merge_hits(by_id, list(word_hits(log, comp, {m.line - first_line for m in chunk_metrics}).values()),
+                        most=MAX_LINES_PER_HIT * 4)
+            nonfinite.feed(log)
             # A logger's error line 8 MB before the end is one the run logged past: levels only in the last WHOLE_BYTES.
             marked, level = _failure_lines(log, comp, levels=fh.tell() >= size - WHOLE_BYTES)
             other_marked = other_marked or bool(marked - level)
@@ -1808,6 +1841,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         have.detail = have.detail or h.detail
     _merge_hits(by_id, rules.hits())
     transient = _set_aside_transients(by_id, rules)
+    _merge_hits(by_id, nonfinite.hits())
     dropped: list[Hit] = []
     if stopped_by:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
