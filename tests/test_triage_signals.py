@@ -1913,3 +1913,29 @@ def test_a_later_cells_error_is_the_jobs_end_unless_the_notebook_went_on_past_it
     # retired blind 24 xd-016: trainer.train() ends, a later cell's push_to_hub fails and the notebook ends there
     r = classify_text((LOGS / "environment--b24xd-016.log").read_text())
     assert r.failure_class == "environment" and r.runner_up.failure_class == "none"
+
+
+def test_the_lightning_hydra_templates_start_line_begins_a_new_launch():
+    # Retired blind 26 zf-007: hydra launches appended to one log - two die of CUDA OOM, the last trains for 16 hours
+    # and dies on a code bug; each logs "Starting training!" before trainer.fit. The log ends on the last launch's error.
+    r = classify_text((LOGS / "environment--b26zf-007.log").read_text())
+    assert r.failure_class == "environment" and "cuda-oom" in r.signals
+    # development 16 pb-001: early launches die, the last one trains, tests and closes its loggers
+    assert classify_text((LOGS / "none--dev16pb-001.log").read_text()).failure_class == "none"
+
+
+def test_a_ctrl_c_raised_while_handling_an_exception_stops_a_process_that_had_already_failed():
+    # Retired blind 26 zg-008: the first evaluation's render call raises TypeError; the worker hangs joining its child
+    # at exit until Ctrl-C, which Python chains "During handling of the above exception" - the TypeError decides.
+    text = (LOGS / "environment--b26zg-008.log").read_text()
+    assert "During handling of the above exception, another exception occurred:" in text
+    r = classify_text(text)
+    assert r.failure_class == "environment" and "fallback-code-error" in r.signals
+    # an interrupt whose rendering failed in IPython (the chain starts with the KeyboardInterrupt) is still the stop
+    r = classify_text((LOGS / "none--b27zm-010.log").read_text())
+    assert (r.failure_class, r.healthy_or_unrecognised) == ("none", "stopped")
+    # the chain alone: a script's TypeError, then the Ctrl-C that ended its hung clean-up
+    chained = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\nTypeError: expected np.ndarray (got NoneType)\n"
+               "\nDuring handling of the above exception, another exception occurred:\n\nTraceback (most recent call last):\n"
+               "  File \"/usr/lib/python3.8/multiprocessing/popen_fork.py\", line 27, in poll\nKeyboardInterrupt\n")
+    assert classify_text(chained).failure_class == "environment"

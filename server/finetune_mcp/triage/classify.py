@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from finetune_mcp.skilltables import CURVE_RULES
 from finetune_mcp.triage.signals import Findings, Hit, compiled, fallback_rule, find, find_file, find_in_records
@@ -226,6 +226,14 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
                          f"or huge grad norms followed by finite ones, with the loss finite throughout): {ids}.")
     stopped = [h for h in by_class.get("none", []) if h.signal.none_kind == "stopped" and not f.outlived(h)
                and not _failed_after_stop(f, h)]
+    interrupted = f.interrupted_failing
+    if stopped and interrupted and not (by_class.keys() & FAILURE_CLASSES):
+        # The Ctrl-C was raised while handling an exception (Python chains them): the process had already failed and
+        # hung in its clean-up; the exception decides, by its type, and the stop is the runner-up.
+        stopped = []
+        f = replace(f, exception=interrupted, traceback_cut=False)
+        dropped_note += (f" A KeyboardInterrupt was raised while handling the exception at line {interrupted[0]}: someone "
+                         f"stopped a process that had already failed, so that exception decides.")
     scores = {c: _score(hs) for c, hs in by_class.items() if c in FAILURE_CLASSES}
     fallback = None
     if f.failed and not scores and not stopped:

@@ -440,6 +440,7 @@ class Findings:
     level_only: bool = False  # every failure line is a logger's level line (ERROR/FATAL/CRITICAL): no other marker
     line_count: int = 0  # the lines of the whole log
     launched_at: int | None = None  # the last line where a shell said a new command began (launch_markers)
+    interrupted_failing: tuple[int, str] | None = None  # an exception a Ctrl-C interrupted the handling of (interrupted_failure)
 
     def _records_after(self, line: int) -> bool:
         """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
@@ -1652,6 +1653,30 @@ def last_exception(log: Log, comp: Compiled) -> tuple[int, str] | None:
     return None
 
 
+_DURING = "During handling of the above exception, another exception occurred:"
+
+
+def interrupted_failure(log: Log, comp: Compiled) -> tuple[int, str] | None:
+    """The last exception (line, 1-based in the whole log, and its text) that a KeyboardInterrupt was raised while handling
+    - Python chains them: the exception, "During handling of the above exception, another exception occurred:", then a
+    traceback ending in KeyboardInterrupt. The process had already failed and hung in its clean-up (multiprocessing
+    joining a worker at exit) until someone pressed Ctrl-C: the failure is the exception, not the stop. The exception
+    must be its chain's first: one raised while handling an interrupt (IPython failing to render it) is the stop's."""
+    pos = log.text.rfind(_DURING)
+    while pos >= 0:
+        i = log.line_of(pos)
+        above = next((k for k in range(i - 1, max(-1, i - 4), -1) if log.clean[k].strip()), None)
+        after = next((m for m in _EXCEPTION_M.finditer(log.text, pos + len(_DURING))), None)
+        head = log.text.rfind("Traceback (most recent call last)", 0, log.starts[above]) if above is not None else -1
+        before = log.text[max(0, head - 200):head] if head >= 0 else ""
+        if (above is not None and (m := _EXCEPTION_M.match(log.clean[above])) and m.group(1) != "KeyboardInterrupt"
+                and after is not None and after.group(1) == "KeyboardInterrupt" and _DURING not in before
+                and _not_benign(log, comp, {above})):
+            return above + log.first_line, log.lines[above]
+        pos = log.text.rfind(_DURING, 0, pos)
+    return None
+
+
 def last_traceback(log: Log) -> int | None:
     pos = log.text.rfind("Traceback (most recent call last)")
     return None if pos < 0 else log.line_of(pos) + log.first_line
@@ -1736,6 +1761,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     launched = last_launch(log, comp)
     cell_frame = last_cell_frame(log)
     exc = last_exception(log, comp)
+    interrupted = interrupted_failure(log, comp) if _DURING in log.text else None
     head = last_traceback(log)
     threads = Threads()
     threads.feed(log)
@@ -1747,7 +1773,8 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
                     threads=threads, bar_done=bar_done, transient=transient, finished=finished, last_traceback_at=head,
-                    cell_frame_at=cell_frame, level_only=level_only, line_count=len(log.lines), launched_at=launched)
+                    cell_frame_at=cell_frame, level_only=level_only, line_count=len(log.lines), launched_at=launched,
+                    interrupted_failing=interrupted)
 
 
 # A log up to this size is read whole; a bigger one is streamed in chunks of whole lines, so memory stays
@@ -1785,6 +1812,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     finished: tuple[int, str] | None = None
     launched: int | None = None
     cell_frame: int | None = None
+    interrupted: tuple[int, str] | None = None
     prev: Metric | None = None
     first_line = 1
     tail: list[str] = []
@@ -1823,6 +1851,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             finished = last_finished(log, comp) or finished
             launched = last_launch(log, comp) or launched
             cell_frame = last_cell_frame(log) or cell_frame
+            if _DURING in log.text:
+                interrupted = interrupted_failure(log, comp) or interrupted
             tail_metrics = []
             for m in chunk_metrics:
                 if prev is not None and same_record(prev, m):
@@ -1849,7 +1879,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     return Findings(list(by_id.values()), tail_metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
                     transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame,
-                    level_only=level_marked and not other_marked, line_count=first_line - 1, launched_at=launched)
+                    level_only=level_marked and not other_marked, line_count=first_line - 1, launched_at=launched,
+                    interrupted_failing=interrupted)
 
 
 def _not_benign(log: Log, comp: Compiled, lines: set[int]) -> set[int]:
