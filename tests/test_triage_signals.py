@@ -1939,3 +1939,19 @@ def test_a_ctrl_c_raised_while_handling_an_exception_stops_a_process_that_had_al
                "\nDuring handling of the above exception, another exception occurred:\n\nTraceback (most recent call last):\n"
                "  File \"/usr/lib/python3.8/multiprocessing/popen_fork.py\", line 27, in poll\nKeyboardInterrupt\n")
     assert classify_text(chained).failure_class == "environment"
+
+
+def test_a_space_aligned_table_goes_on_past_a_message_between_its_rows():
+    # Development 31 yk-011: DomainBed prints its column header once, then a row per checkpoint with "Best model upto
+    # now" between rows; at step 150000 the loss columns turn nan and stay nan to step 410000.
+    text = (LOGS / "divergence--dev31yk-011.log").read_text()
+    r = classify_text(text)
+    assert r.failure_class == "divergence" and "nonfinite-loss" in r.signals
+    head = ("env1_out_acc  env1_out_los  epoch         inv_loss      loss          step\n"
+            "0.3640200000  3.4522511297  0.0000000000  0.4189742506  4.9121518135  0\nBest model upto now\n"
+            "0.5019000000  2.2001459589  0.2497722779  0.0585027172  2.7860845266  5000\n")
+    rows = parse_text(head, KEYS)
+    assert [m.loss for m in rows] == [4.9121518135, 2.7860845266]
+    # a line with numbers that is no row ends the table
+    ended = parse_text(head.replace("Best model upto now", "lr 0.1 at 2000"), KEYS)
+    assert [m.loss for m in ended if m.loss is not None] == [4.9121518135]

@@ -747,6 +747,9 @@ class MetricTable:
             cells = line.split()
             if self.columns is not None and len(cells) == len(self.columns) and to_number(cells[0]) is not None:
                 return self._row(m, cells)
+            if cells and not any(c.isdigit() for c in line) and sum(bool(self.keys.field_of(c) or self.keys.kind_of(c))
+                                                                  for c in cells) < 2:
+                return False  # a message between rows (DomainBed's "Best model upto now"), no new header: the table goes on
             self.columns, self.spaced = None, False  # the space-aligned table ended
         sep = self._sep(line)
         if sep is None:
