@@ -385,6 +385,8 @@ class RecordRules(Strict):
     rise_window: int = Field(1, ge=1, description="a long curve is read for a rise by its rolling median over this many values")
     rise_smooth_after: int = Field(10**9, ge=1, description="a curve of at least this many values is a long one")
     went_on_records: int = Field(0, ge=0, description="metric records logged after the last error line that show the run went on (0: never)")
+    cell_went_on_lines: int = Field(3, ge=1, description="non-blank lines a notebook printed after a later cell's error "
+                                                         "(the cells after it ran) for the notebook to have gone on past it")
     went_on_lines: int = Field(0, ge=0, description="lines printed after the last failure line, when every failure line is a logger's "
                                                     "level line (no traceback, no exception), that show the program went on (0: never)")
     stop_echo_lines: int = Field(20, ge=0, description="a traceback starting within this many lines after a Ctrl-C is the stop's echo (workers, shutdown), not a failure of its own")

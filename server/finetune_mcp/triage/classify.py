@@ -274,17 +274,18 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         reason = f"{hits[0].signal.note.strip()} ({hits[0].id}{', line ' + str(hits[0].first) if hits[0].lines else ''})." + dropped_note
         return Classification("none", reason, _evidence(hits), [h.id for h in _order(f.hits)], None, "stopped", conf, runner_up,
                               _missing("none", hits, f, False), summary)
-    first = f.exception[0] if f.exception else f.last_traceback_at
-    if fallback is not None and f.cell_traceback_after(f.finished_at) and not f.printed_after(first) >= _CELLS_WENT_ON:
-        # A notebook's last output is the error of a cell after the one where training ran to its end (a save, an
-        # export): the job's last step failed - environment by the fallback, healthy training the runner-up.
-        failed = _by_fallback(f, cls, fallback, conf, runner_up, summary, dropped_note)
-        failed.reason += (f" Training itself ran to its end at line {f.finished_at}; the error came from a later notebook cell, "
-                          f"the last thing the notebook shows.")
-        failed.runner_up = RunnerUp("none", 0.35, f"training finished at line {f.finished_at}, if what that cell did (saving, "
-                                                  f"exporting, plotting) is not part of the job")
-        return failed
     if fallback is not None and f.cell_traceback_after(f.finished_at):
+        first = f.exception[0] if f.exception else f.last_traceback_at
+        went_on = f.table.records.cell_went_on_lines if f.table is not None else 1
+        if f.printed_after(first) < went_on:
+            # A notebook's last output is the error of a cell after the one where training ran to its end (a save, an
+            # export): the job's last step failed - environment by the fallback, healthy training the runner-up.
+            failed = _by_fallback(f, cls, fallback, conf, runner_up, summary, dropped_note)
+            failed.reason += (f" Training itself ran to its end at line {f.finished_at}; the error came from a later notebook "
+                              f"cell, the last thing the notebook shows.")
+            failed.runner_up = RunnerUp("none", 0.35, f"training finished at line {f.finished_at}, if what that cell did "
+                                                      f"(saving, exporting, plotting) is not part of the job")
+            return failed
         # A notebook cell after the one where training ran to its end failed (a plot), and later cells ran on after
         # it: no signal names a cause, the training finished and the notebook went on - healthy, with the error named
         # and environment the runner-up.
@@ -337,11 +338,6 @@ def _healthy(f: Findings, benign: list[Hit], summary: dict, dropped_note: str) -
                                                  f"loss scaling (bf16/fp32 never skip a step) - then the gradients broke")
     return Classification("none", reason, _evidence(benign, extra), [h.id for h in _order(benign)], None, "healthy", conf,
                           runner_up, _missing("none", benign, f, False), summary)
-
-
-# Non-blank lines a notebook printed after a later cell's error for it to have gone on past it (the cells after it ran:
-# a confusion matrix, an evaluation bar); one figure's repr or the rest of a wrapped message is not that.
-_CELLS_WENT_ON = 3
 
 
 def _by_fallback(f: Findings, cls: str, fallback, conf: float, runner_up: RunnerUp | None, summary: dict,

@@ -566,6 +566,20 @@ def nonfinite_metric_hits(log: Log, comp: Compiled) -> list[Hit]:
     return keys.hits()
 
 
+class _KeyCounts:
+    """One key's non-finite prints, as NonfiniteKeys counts them (lines are 1-based in the whole log)."""
+
+    __slots__ = ("first_bad", "last_bad", "bad", "finite_after_first", "finite_after_last", "bad_after_finite", "lines")
+
+    def __init__(self, line: int):
+        self.first_bad = self.last_bad = line
+        self.bad = 0  # its non-finite lines
+        self.finite_after_first = 0  # finite prints on lines after its first non-finite one
+        self.finite_after_last = 0  # ... after its last non-finite one
+        self.bad_after_finite = 0  # non-finite lines after its last finite print
+        self.lines: list[tuple[int, str]] = []  # its first non-finite lines, verbatim (evidence)
+
+
 class NonfiniteKeys:
     """nonfinite-metric over a log read whole or in chunks (fed in order): per key printed non-finite, what decides
     whether its NaN lasted - finite prints after its last non-finite one (recovered) and after its first, and
@@ -574,8 +588,7 @@ class NonfiniteKeys:
     def __init__(self, comp: Compiled):
         self.comp = comp
         self.enough = comp.table.records.nonfinite_recovered_logs
-        self.state: dict[str, list] = {}  # printed key -> [first bad, last bad, bad count, finite after first bad,
-        #                                  finite after last bad, last finite line, bad after last finite, first bad lines]
+        self.keys: dict[str, _KeyCounts] = {}  # by the key as printed, in the order first seen
 
     def feed(self, log: Log) -> None:
         found = _nonfinite_found(log, self.comp)
@@ -585,46 +598,46 @@ class NonfiniteKeys:
                 lines = bad.setdefault(key, [])
                 if not lines or lines[-1] != i:
                     lines.append(i)
-        for key in dict.fromkeys([*self.state, *bad]):
+        for key in dict.fromkeys([*self.keys, *bad]):
             mine = bad.get(key, [])
-            start = log.starts[mine[0]] if key not in self.state else 0
+            start = log.starts[mine[0]] if key not in self.keys else 0
             finite = Counter(log.line_of(pos) for pos in _finite_prints(log, key, start))
-            events = sorted(set(mine) | set(finite))
-            for i in events:
-                s = self.state.get(key)
-                g = i + log.first_line
-                if i in found and key in found[i]:
-                    if s is None:
-                        s = self.state[key] = [g, g, 0, 0, 0, None, 0, []]
-                    s[1], s[2], s[4] = g, s[2] + 1, 0
-                    s[6] += 1
-                    if len(s[7]) < MAX_LINES_PER_HIT:
-                        s[7].append((g, log.lines[i]))
-                if s is not None and i in finite and g > s[0]:
-                    s[3] += finite[i]
-                    if g > s[1]:
-                        s[4] += finite[i]
-                    s[5], s[6] = g, 0
+            for i in sorted(set(mine) | set(finite)):
+                k = self.keys.get(key)
+                line = i + log.first_line
+                if i in found and key in found[i]:  # a non-finite print first, then any finite one on the same line
+                    if k is None:
+                        k = self.keys[key] = _KeyCounts(line)
+                    k.last_bad, k.bad, k.finite_after_last = line, k.bad + 1, 0
+                    k.bad_after_finite += 1
+                    if len(k.lines) < MAX_LINES_PER_HIT:
+                        k.lines.append((line, log.lines[i]))
+                if k is not None and i in finite and line > k.first_bad:
+                    k.finite_after_first += finite[i]
+                    if line > k.last_bad:
+                        k.finite_after_last += finite[i]
+                    k.bad_after_finite = 0
 
-    def _lasting(self, s: list) -> bool:
-        first, last, count, after_first, after_last, _, tail, _ = s
+    def _lasting(self, k: _KeyCounts) -> bool:
+        """A key printed finite `enough` times after its last NaN/inf had a transient (a validation error of inf at
+        the first epoch, finite ever after). Weights that went NaN stay NaN, so a metric computed from them cannot be
+        finite again: one that goes back and forth between NaN and a number (finite `enough` times after its first NaN,
+        NaN fewer times than that after its last number) is a mean over an empty set - a per-class Dice score for an
+        organ absent from the validation batch, MXNet's epoch-end summary of a metric it has just reset. One that ends
+        NaN for `enough` prints or more went wrong there, whatever came before."""
         if self.enough <= 0:
             return True
-        recovered = after_last >= self.enough
-        # Weights that went NaN stay NaN, so a metric computed from them cannot be finite again: one that goes back and
-        # forth between NaN and a number is a mean over an empty set (a per-class Dice score for an organ absent from the
-        # validation batch; MXNet's epoch-end summary of a metric it has just reset). One that ends NaN for `enough`
-        # prints or more went wrong there, whatever came before.
-        flickers = count >= 2 and after_first >= self.enough and tail < self.enough
+        recovered = k.finite_after_last >= self.enough
+        flickers = k.bad >= 2 and k.finite_after_first >= self.enough and k.bad_after_finite < self.enough
         return not (recovered or flickers)
 
     def hits(self) -> list[Hit]:
         sig = self.comp.by_rule.get("nonfinite-metric")
-        lasting = [k for k, s in self.state.items() if self._lasting(s)]
+        lasting = [key for key, k in self.keys.items() if self._lasting(k)]
         if sig is None or not lasting:
             return []
-        lines = sorted({ln for k in lasting for ln in self.state[k][7]})[:MAX_LINES_PER_HIT]
-        names = dict.fromkeys(normalise_key(k) for k in lasting)
+        lines = sorted({ln for key in lasting for ln in self.keys[key].lines})[:MAX_LINES_PER_HIT]
+        names = dict.fromkeys(normalise_key(key) for key in lasting)
         return [Hit(sig, lines, f"non-finite (NaN or inf) values in {', '.join(list(names)[:6])}")]
 
 
