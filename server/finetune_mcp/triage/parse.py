@@ -747,17 +747,15 @@ class MetricTable:
             cells = line.split()
             if self.columns is not None and len(cells) == len(self.columns) and to_number(cells[0]) is not None:
                 return self._row(m, cells)
-            if cells and not any(c.isdigit() for c in line) and sum(bool(self.keys.field_of(c) or self.keys.kind_of(c))
-                                                                  for c in cells) < 2:
+            if cells and not any(c.isdigit() for c in line) and self._known(cells).count(None) > len(cells) - 2:
                 return False  # a message between rows (DomainBed's "Best model upto now"), no new header: the table goes on
             self.columns, self.spaced = None, False  # the space-aligned table ended
         sep = self._sep(line)
         if sep is None:
             self.columns = None
             if ":" not in line and "=" not in line and _SPACED_HEADER.fullmatch(line.strip()):
-                cells = line.split()
-                known = [c if (self.keys.field_of(c) or self.keys.kind_of(c)) else None for c in cells]
-                if sum(k is not None for k in known) >= 2:
+                known = self._known(line.split())
+                if known.count(None) <= len(known) - 2:
                     self.columns, self.spaced = known, True  # fastai's `epoch  train_loss  valid_loss  accuracy  time`
             return False
         cells = [c.strip() for c in line.strip().strip("|").split(sep)]
@@ -765,12 +763,16 @@ class MetricTable:
             return False  # the row went to the table's one record (see flush)
         if not _NUMBER_CELL.search(line) and all(to_number(c) is None for c in cells if c) and any(
                 self.keys.field_of(c) or self.keys.kind_of(c) for c in cells):
-            self.columns = [c if (self.keys.field_of(c) or self.keys.kind_of(c)) else None for c in cells]
+            self.columns = self._known(cells)
             self.csv = sep == ","
             return False
         if self.columns is None or len(cells) != len(self.columns):
             return False
         return self._row(m, cells)
+
+    def _known(self, cells: list[str]) -> list[str | None]:
+        """A header's cells, each kept where the table's keys know it as a metric or a field, None where not."""
+        return [c if (self.keys.field_of(c) or self.keys.kind_of(c)) else None for c in cells]
 
     def _row(self, m: Metric, cells: list[str]) -> bool:
         found = False
@@ -874,7 +876,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
         if clean[:1] in "TtVvEe[" and (phase := _PHASE.match(clean)):
             table.evaluating = phase.group(1) is not None or phase.group(2) is not None
         keras_eval, bar = False, None
-        if clean[:8].lstrip()[:1].isdigit() and (bar := _KERAS_BAR.match(clean)) and table.epoch is not None:
+        if clean[:8].lstrip()[:1].isdigit() and (bar := KERAS_BAR.match(clean)) and table.epoch is not None:
             # Keras: a progress bar after the epoch's closing bar (`49/49 [====] - 35s 719ms/step - loss: ...`) with
             # no `Epoch N/M` line between is a model.evaluate() or predict() after fit, not a training step.
             keras_eval = table.fit_closed
@@ -924,7 +926,7 @@ _EPOCH_HEADER = re.compile(r"\s*Epoch\s*:?\s*(\d+)\s*/\s*\d+\s*:?\s*$", re.I)
 # Keras' progress bar: `14/49 [=====>.....] - ETA: 9s - loss: ...` (Keras 2), `14/49 ━━━━━━━━━━ 9s ...` (Keras 3; drawn
 # with `=` where the console cannot show ━, a Windows PowerShell capture), with srun's task label before it
 # (`0: 19/19 [====...`: the label stays on a line that starts with a number).
-_KERAS_BAR = re.compile(r"\s*(?:\d{1,4}:\s+)?(\d+)/(\d+) (?:\[[=>.]+\]|[━─]+|=+ )")
+KERAS_BAR = re.compile(r"\s*(?:\d{1,4}:\s+)?(\d+)/(\d+) (?:\[[=>.]+\]|[━─]+|=+ )")
 
 
 # IPython's traceback frame header: IPython 8's `File /x/trainer.py:2555, in Trainer._inner_training_loop(...)` and

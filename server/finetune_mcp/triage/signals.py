@@ -21,9 +21,9 @@ import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
 from finetune_mcp.skilltables import LEVEL_WORDS
-from finetune_mcp.triage.parse import (KeyMap, Metric, MetricTable, clean_line, clean_lines, code_lines, decode_log, is_setting, pair_key,
-                                      line_metrics, prefix_layers, log_encoding, normalise_key, parse_records, parse_text, same_record,
-                                      split_lines, to_number)
+from finetune_mcp.triage.parse import (KERAS_BAR, KeyMap, Metric, MetricTable, clean_line, clean_lines, code_lines, decode_log,
+                                      is_setting, pair_key, line_metrics, prefix_layers, log_encoding, normalise_key, parse_records,
+                                      parse_text, same_record, split_lines, to_number)
 
 SKILL = "dgx-spark-ops"
 MAX_LINES_PER_HIT = 12
@@ -69,7 +69,6 @@ _BAR_RAN = re.compile(r"\| *(\d+)/\d+ \[[\d:]+<[^\n\]]*loss", re.I)
 # Keras' fit: the header of its last epoch (`Epoch 100/100`), then that epoch's bar drawn to its total (`536/536 [====`,
 # Keras 3's `536/536 ━━━━`; the cleaner leaves srun's task label before a number, `0: 536/536 [====`).
 _KERAS_LAST_EPOCH = re.compile(r"^[ \t]*Epoch (\d+)/\1[ \t]*$", re.M)
-_KERAS_BAR_DONE = re.compile(r"^\s*(?:\d{1,4}:\s+)?(\d+)/\1 (?:\[=+\]|[━=]+ )")
 
 
 def _lines_matching(log: "Log", comp: "Compiled", patterns: list[re.Pattern]) -> set[int]:
@@ -90,13 +89,19 @@ def last_launch(log: "Log", comp: "Compiled") -> int | None:
     return max(found) + log.first_line if found else None
 
 
+def _keras_bar_done(clean: str) -> bool:
+    """A Keras progress bar (parse's KERAS_BAR) drawn to its total: `536/536 [====`, `536/536 ━━━━`."""
+    bar = KERAS_BAR.match(clean)
+    return bool(bar and bar.group(1) == bar.group(2))
+
+
 def last_finished(log: "Log", comp: "Compiled") -> tuple[int, str] | None:
     """The last line where a trainer said training ran to its end (its number, 1-based in the whole log, and its
     text): a finished marker, or the bar of Keras' last epoch drawn to its total within two lines of that epoch's header."""
     found = _lines_matching(log, comp, comp.finished)
     if "Epoch " in log.text:
         for i in log.scan(_KERAS_LAST_EPOCH):
-            found.update([k for k in (i + 1, i + 2) if k < len(log.clean) and _KERAS_BAR_DONE.match(log.clean[k])][:1])
+            found.update([k for k in (i + 1, i + 2) if k < len(log.clean) and _keras_bar_done(log.clean[k])][:1])
     if not found:
         return None
     i = max(found)
@@ -602,10 +607,11 @@ class NonfiniteKeys:
             mine = bad.get(key, [])
             start = log.starts[mine[0]] if key not in self.keys else 0
             finite = Counter(log.line_of(pos) for pos in _finite_prints(log, key, start))
-            for i in sorted(set(mine) | set(finite)):
+            mine_at = set(mine)
+            for i in sorted(mine_at | set(finite)):
                 k = self.keys.get(key)
                 line = i + log.first_line
-                if i in found and key in found[i]:  # a non-finite print first, then any finite one on the same line
+                if i in mine_at:  # a non-finite print first, then any finite one on the same line
                     if k is None:
                         k = self.keys[key] = _KeyCounts(line)
                     k.last_bad, k.bad, k.finite_after_last = line, k.bad + 1, 0
@@ -1288,7 +1294,8 @@ class NumberRules:
     def _huge(self, m: Metric, name: str, v: float) -> None:
         """Keep a finite loss (or KL) value of loss_abs_max or more as loss-magnitude evidence. One no bigger than the
         loss's first value is kept aside: a loss that starts that big (a sum over pixels, a beta-VAE on raw data) and
-        falls by huge_fall_factor or more by its last value was on a scale of its own, not broken (_fell_from_start)."""
+        falls by huge_fall_factor or more by its last value was on a scale of its own, not broken (_fell_from_start).
+        A value of exactly loss_clamp, once that loss was printed with _PRECISE_DIGITS digits, is kept as well."""
         ends = self.ends.get(name)
         if ends is None:
             ends = self.ends[name] = [v, v]
@@ -1774,7 +1781,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
     launched = last_launch(log, comp)
     cell_frame = last_cell_frame(log)
     exc = last_exception(log, comp)
-    interrupted = interrupted_failure(log, comp) if _DURING in log.text else None
+    interrupted = interrupted_failure(log, comp)
     head = last_traceback(log)
     threads = Threads()
     threads.feed(log)
@@ -1864,8 +1871,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
             finished = last_finished(log, comp) or finished
             launched = last_launch(log, comp) or launched
             cell_frame = last_cell_frame(log) or cell_frame
-            if _DURING in log.text:
-                interrupted = interrupted_failure(log, comp) or interrupted
+            interrupted = interrupted_failure(log, comp) or interrupted
             tail_metrics = []
             for m in chunk_metrics:
                 if prev is not None and same_record(prev, m):
