@@ -275,31 +275,36 @@ def decide(f: Findings, *, platform: str | None = None, memory: dict | None = No
         return Classification("none", reason, _evidence(hits), [h.id for h in _order(f.hits)], None, "stopped", conf, runner_up,
                               _missing("none", hits, f, False), summary)
     if fallback is not None and f.cell_traceback_after(f.finished_at):
-        first = f.exception[0] if f.exception else f.last_traceback_at
-        went_on = f.table.records.cell_went_on_lines if f.table is not None else 1
-        if f.printed_after(first) < went_on:
-            # A notebook's last output is the error of a cell after the one where training ran to its end (a save, an
-            # export): the job's last step failed - environment by the fallback, healthy training the runner-up.
-            failed = _by_fallback(f, cls, fallback, conf, runner_up, summary, dropped_note)
-            failed.reason += (f" Training itself ran to its end at line {f.finished_at}; the error came from a later notebook "
-                              f"cell, the last thing the notebook shows.")
-            failed.runner_up = RunnerUp("none", 0.35, f"training finished at line {f.finished_at}, if what that cell did "
-                                                      f"(saving, exporting, plotting) is not part of the job")
-            return failed
-        # A notebook cell after the one where training ran to its end failed (a plot), and later cells ran on after
-        # it: no signal names a cause, the training finished and the notebook went on - healthy, with the error named
-        # and environment the runner-up.
-        healthy = _healthy(f, by_class.get("none", []), summary, dropped_note)
-        healthy.reason += (f" Training ran to its end at line {f.finished_at}; the error at line {first} came from a later "
-                           f"notebook cell (an IPython cell traceback), not from training.")
-        healthy.evidence = _evidence([], [f.finished] + ([f.exception] if f.exception else []))
-        healthy.confidence = min(healthy.confidence, 0.6)
-        healthy.runner_up = RunnerUp("environment", 0.35, f"the error at line {first} if what that cell did (saving, exporting, "
-                                                          f"evaluating) is part of the job")
-        return healthy
+        return _later_cell(f, cls, fallback, conf, runner_up, by_class.get("none", []), summary, dropped_note)
     if fallback is not None:
         return _by_fallback(f, cls, fallback, conf, runner_up, summary, dropped_note)
     return _by_signals(f, cls, by_class[cls], conf, runner_up, summary, dropped_note, comp, platform, memory)
+
+
+def _later_cell(f: Findings, cls: str, fallback, conf: float, runner_up: RunnerUp | None, benign: list[Hit], summary: dict,
+                dropped_note: str) -> Classification:
+    """A notebook's last traceback is a cell's, begun after training ran to its end, and no signal names a cause."""
+    first = f.exception[0] if f.exception else f.last_traceback_at
+    went_on = f.table.records.cell_went_on_lines if f.table is not None else 1
+    if f.printed_after(first) < went_on:
+        # The notebook's last output is that cell's error (a save, an export): the job's last step failed -
+        # environment by the fallback, healthy training the runner-up.
+        failed = _by_fallback(f, cls, fallback, conf, runner_up, summary, dropped_note)
+        failed.reason += (f" Training itself ran to its end at line {f.finished_at}; the error came from a later notebook "
+                          f"cell, the last thing the notebook shows.")
+        failed.runner_up = RunnerUp("none", 0.35, f"training finished at line {f.finished_at}, if what that cell did "
+                                                  f"(saving, exporting, plotting) is not part of the job")
+        return failed
+    # Later cells ran on after it (a plot failed): the training finished and the notebook went on - healthy, with the
+    # error named and environment the runner-up.
+    healthy = _healthy(f, benign, summary, dropped_note)
+    healthy.reason += (f" Training ran to its end at line {f.finished_at}; the error at line {first} came from a later "
+                       f"notebook cell (an IPython cell traceback), not from training.")
+    healthy.evidence = _evidence([], [f.finished] + ([f.exception] if f.exception else []))
+    healthy.confidence = min(healthy.confidence, 0.6)
+    healthy.runner_up = RunnerUp("environment", 0.35, f"the error at line {first} if what that cell did (saving, exporting, "
+                                                      f"evaluating) is part of the job")
+    return healthy
 
 
 def _why_not_fatal(f: Findings, first: int) -> str:
