@@ -1955,3 +1955,41 @@ def test_a_space_aligned_table_goes_on_past_a_message_between_its_rows():
     # a line with numbers that is no row ends the table
     ended = parse_text(head.replace("Best model upto now", "lr 0.1 at 2000"), KEYS)
     assert [m.loss for m in ended if m.loss is not None] == [4.9121518135]
+
+
+def test_a_wgan_critic_whose_loss_went_far_positive_blew_up():
+    # Retired blind b28zq-013: a WGAN-GP critic's `[D loss: -3.152621]` at epoch 0 climbs to `[D loss: 24419.837891]` by
+    # epoch 757 (the gradient penalty dominating), then the user interrupts the cell; the log read as a stop.
+    w, k = RULES.game_window, RULES.game_critic_rise
+
+    def game(d_values):
+        return [Metric(i + 1, "x", named={"loss:d loss": d, "loss:g loss": 1.0}) for i, d in enumerate(d_values)]
+
+    start = [-3.0, 1.5, -0.2, -0.3] + [-0.5] * (w - 4)
+    assert "critic-blowup" in _ids(game(start + [3.0 * k * 1.2] * w))
+    assert "critic-blowup" not in _ids(game(start + [3.0 * k * 0.8] * w))  # under the factor
+    assert "critic-blowup" not in _ids(game(start + [-3.0 * k * 1.2] * w))  # negative: the estimate grew, the game
+    assert "critic-blowup" not in _ids(game([0.5] + [1.5] * (w - 1) + [1.5 * k * 1.2] * w))  # never negative: no critic
+    assert "critic-blowup" not in _ids(game(start + [3.0 * k * 1.2] * (w - 1)))  # too few values to judge a window
+    text = "".join(f"[Epoch {i}/20000] [Batch 0/192] [D loss: {d:f}] [G loss: 2.0]\n" for i, d in enumerate(start + [3.0 * k * 1.2] * w))
+    c = classify_text(text + "KeyboardInterrupt\n")
+    assert c.failure_class == "divergence" and "critic-blowup" in c.signals, c.reason
+    assert (LOGS / "divergence--b28zq-013.log").is_file()
+
+
+def test_an_oserror_a_handler_printed_is_a_failure_line():
+    # Retired blind b28zs-006: a fine-tuning wrapper catches the launch's OSError and prints it in Turkish
+    # (`❌ Fine-tuning başlatma hatası: [WinError 2] The system cannot find the file specified`); no traceback, no exit status.
+    head = "[2025-08-08 22:56:40] 🚀 Fine-tuning başlatılıyor...\n"
+    c = classify_text(head + "[2025-08-08 22:56:40] ❌ Fine-tuning başlatma hatası: [WinError 2] The system cannot find the file specified\n")
+    assert c.failure_class == "environment", c.reason
+    assert classify_text(head + "launch failed: [Errno 2] No such file or directory: 'train.py'\n").failure_class == "environment"
+    assert classify_text(head + "step 10 loss 2.0\nstep 20 loss 1.5\n").failure_class == "none"
+
+
+def test_a_nan_average_recall_is_a_mean_over_no_object():
+    # Retired blind b28zo-006: VoteNet's evaluation prints `eval AR: nan` for a class with no sample, beside a loss that
+    # falls over 200 epochs; AR is average recall, a detection mean like AP, whose NaN is an empty mean.
+    assert "nonfinite-metric" not in _find_ids("eval AR: nan\n")
+    assert "nonfinite-metric" in _find_ids("eval var: nan\n")  # whole words of the key: `var` is no recall
+    assert "nonfinite-loss" in _find_ids("eval AR: 0.31, loss: nan\n")

@@ -300,10 +300,10 @@ class SignalCheck(Strict):
 
 RecordsRule = Literal["nonfinite-loss", "nonfinite-grad-norm", "nonfinite-metric", "loss-zero-grad-nan", "loss-spike", "loss-rise",
                       "loss-magnitude", "kl-blowup", "grad-norm-explosion", "loss-scale-collapse", "loss-scale-halving", "flat-loss",
-                      "discriminator-won"]
+                      "discriminator-won", "critic-blowup"]
 # The records rules that read the curve's shape, not a value that cannot be a loss (NaN/inf, a loss scale at its floor).
 CURVE_RULES = frozenset({"loss-spike", "loss-rise", "flat-loss", "loss-magnitude", "kl-blowup", "grad-norm-explosion",
-                         "discriminator-won"})
+                         "discriminator-won", "critic-blowup"})
 FailureClass = Literal["environment", "divergence", "oom", "none"]
 
 
@@ -443,6 +443,8 @@ class RecordRules(Strict):
     game_d_zero: float = Field(0.01, gt=0, description="a discriminator loss whose last values' median is this or less (after a "
                                "first median at least 10x it) has won the game")
     game_g_rise: float = Field(2.5, gt=1, description="... while a generator loss's last median is this many times its first")
+    game_critic_rise: float = Field(100.0, gt=1, description="critic-blowup: a WGAN critic's loss (negative among its first "
+                                    "game_window values) whose last median is positive and this many times its first values' largest magnitude")
     nonfinite_ignore: list[str] = Field(default_factory=list, description="words of a metric key whose NaN is not the run's numbers (means over nothing yet, counts, timers)")
     nonfinite_recovered_logs: int = Field(0, ge=0, description="a metric printed finite this many times after its last NaN/inf had a transient, not a divergence (0: never)")
 

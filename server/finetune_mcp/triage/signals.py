@@ -1017,6 +1017,7 @@ class NumberRules:
         self._adv: dict[str, bool] = {}
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
         self.game_over: tuple | None = None  # (discriminator, generator): the discriminator won (discriminator-won)
+        self.critic_blown: _Side | None = None  # a WGAN critic whose loss went far positive (critic-blowup)
         self.printed: set[int] = set()  # hashes of the latest record lines (see feed), and of the generation before
         self.printed_before: set[int] = set()
         # Named losses of a reinforcement-learning trainer's records (beside a reward) that printed a value below
@@ -1095,6 +1096,8 @@ class NumberRules:
         self.points = set()
         if self.game_over is None:
             self.game_over = self._game_over()  # the old run's game is judged as it stood; a new run's starts afresh
+        if self.critic_blown is None:
+            self.critic_blown = self._critic_blown()
         self.game = {}
         if self.kl_blow is None:
             self.kl_low = None  # a new run's KL starts over too (a blow-up already seen keeps the KL it rose from)
@@ -1289,6 +1292,18 @@ class NumberRules:
             for g in (s for s in done if not s.discriminator):
                 if g.head_median() > 0 and g.tail_median() >= r.game_g_rise * g.head_median():
                     return d, g
+        return None
+
+    def _critic_blown(self) -> _Side | None:
+        """A WGAN critic (a discriminator loss that printed a negative value among its first game_window values: the
+        negated Wasserstein estimate plus a gradient penalty) whose median over its last game_window values is positive
+        and game_critic_rise x or more the largest magnitude of its first values: the penalty term dominates, the
+        critic's gradients are far from norm 1 - the game blew up."""
+        r = self.r
+        for d in self.game.values():
+            if (d.discriminator and d.count >= 2 * r.game_window and min(v for _, v in d.head) < 0
+                    and d.tail_median() >= r.game_critic_rise * max(abs(v) for _, v in d.head) > 0):
+                return d
         return None
 
     def _huge(self, m: Metric, name: str, v: float) -> None:
@@ -1587,6 +1602,11 @@ class NumberRules:
             add("discriminator-won", [d.tail[-1][0], g.head[0][0], g.tail[-1][0]],
                 f"{d.name} fell to {d.tail_median():.3g} (median of its last {len(d.tail)} values, from {d.head_max():.3g}) "
                 f"while {g.name} rose from {g.head_median():.3g} to {g.tail_median():.3g}")
+        critic = self.critic_blown or self._critic_blown()
+        if critic:
+            add("critic-blowup", [critic.head[0][0], critic.tail[-1][0]],
+                f"the critic's {critic.name} went from at most {max(abs(v) for _, v in critic.head):.3g} in magnitude over its "
+                f"first {len(critic.head)} values to a median of {critic.tail_median():.3g} over its last {len(critic.tail)}")
         self._close_run()
         self._close_still()
         if self.flat:
