@@ -28,6 +28,15 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
+# Under pytest-xdist each core runs a worker, and many tests start training or evaluation children beside it: torch's
+# default of one OpenMP thread per core then puts two or three times as many busy threads as cores on the machine, and
+# OpenMP's threads, which spin while they wait for each other, lose most of their time to it (SmolLM2's greedy rows
+# took 68 s beside test_train_methods' runs, 12 s with one thread a process). One thread a process, as the training
+# children of test_train_methods already get; set before torch is imported, and inherited by every child.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 # .ci/llamacpp-setup.sh leaves llama.cpp's source distribution here (it carries the GGUF converter).
 if (REPO / ".ci-cache" / "llama-sdist").is_dir():
     os.environ.setdefault("FINETUNE_MCP_LLAMA_CPP_SDIST", str(REPO / ".ci-cache" / "llama-sdist"))
