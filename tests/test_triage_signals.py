@@ -378,7 +378,7 @@ def test_escapes_and_prefixes_do_not_hide_a_signal(name, prefix):
 
 @pytest.mark.parametrize("name", ["oom-nccl-timeout-after-rank-oom-swift.log", "none-healthy-torchtune-lora-multinode.log",
                                   "divergence-dreamer-pytorch-named-losses-nan-table.log", "none-healthy-ray-train-result-table.log",
-                                  "none--b17mb-002.log", "environment--b27zh-007.log"])
+                                  "none--b17mb-002.log", "environment--b27zh-007.log", "none--dev12y-014.log"])
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-16"])  # utf-16: as PowerShell's `python train.py > log` writes it
 def test_a_big_log_streamed_reads_as_the_whole_text_does(tmp_path, monkeypatch, name, encoding):
     import finetune_mcp.triage.signals as S
@@ -1993,3 +1993,29 @@ def test_a_nan_average_recall_is_a_mean_over_no_object():
     assert "nonfinite-metric" not in _find_ids("eval AR: nan\n")
     assert "nonfinite-metric" in _find_ids("eval var: nan\n")  # whole words of the key: `var` is no recall
     assert "nonfinite-loss" in _find_ids("eval AR: 0.31, loss: nan\n")
+
+
+def test_a_nan_a_relaunch_trained_past_is_set_aside_but_a_run_that_went_on_at_nan_is_not():
+    # Development dev12y-014: 188 fine-tuning starts appended to one log under `[Epoch 1/50]` headers; one goes to
+    # `Train Loss: nan` and is abandoned after two NaN prints, and the last run trains 27 epochs with finite losses
+    # (labelled healthy). Development dev12y-008: a run prints loss: nan for all its 10 epochs, then a notebook's next
+    # model learns (labelled divergence): a run that went on at NaN for went_on_records prints was a failed run of its own.
+    need = RULES.went_on_records
+
+    def runs(nan_prints: int, last_finite: int) -> str:
+        first = "[Epoch 1/50]\nTrain Loss: 2.5000, Train Acc: 0.2\n[Epoch 2/50]\nTrain Loss: 2.1000, Train Acc: 0.3\n"
+        first += "".join(f"[Epoch {3 + i}/50]\nTrain Loss: nan, Train Acc: 0.1\n" for i in range(nan_prints))
+        last = "".join(f"[Epoch {1 + i}/50]\nTrain Loss: {2.4 - 0.05 * i:.4f}, Train Acc: 0.5\n" for i in range(last_finite))
+        return first + last
+
+    assert "nonfinite-loss" not in _find_ids(runs(2, need + 2))
+    assert "nonfinite-loss" in _find_ids(runs(need, need + 2))  # the NaN run went on: a failed run of its own
+    assert "nonfinite-loss" in _find_ids(runs(2, need - 2))  # the relaunch logged too little to say it trained past it
+    assert "nonfinite-loss" in _find_ids(runs(2, need + 2) + "Train Loss: nan, Train Acc: 0.1\n")  # the last run's own NaN
+    assert "nonfinite-loss" in _find_ids(runs(2, 0).replace("[Epoch 1/50]\n", "", 1) + "Train Loss: 2.3\n" * (need + 2))  # no restart
+
+
+def test_a_bracketed_epoch_header_says_the_epoch_of_the_records_under_it():
+    # `[Epoch 1/50]` on a line of its own (development dev12y-014, a logger's INFO lines) as Keras' `Epoch 1/50` is.
+    text = "[Epoch 1/50]\nTrain Loss: 2.5\n[Epoch 2/50]\nTrain Loss: 2.1\n"
+    assert [m.epoch for m in parse_text(text, KEYS)] == [1.0, 2.0]

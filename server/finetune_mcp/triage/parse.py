@@ -852,7 +852,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
         if table.vertical is not None and "|" not in clean and (rec := table.flush()) is not None:
             yield rec  # a key | value table ends at its closing rule
         if len(clean) < 40 and "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
-            table.epoch = float(head.group(1))  # Keras' `Epoch 3/10`: the records under it are that epoch's
+            table.epoch = float(head.group(1) or head.group(2))  # Keras' `Epoch 3/10`: the records under it are that epoch's
             table.fit_closed = False
             continue
         if i in code or (not clean and lines[i]):
@@ -922,7 +922,7 @@ def _as_evaluation(m: Metric) -> None:
 
 
 # A line that only announces the epoch its next records belong to (Keras' model.fit, many plain loops).
-_EPOCH_HEADER = re.compile(r"\s*Epoch\s*:?\s*(\d+)\s*/\s*\d+\s*:?\s*$", re.I)
+_EPOCH_HEADER = re.compile(r"\s*(?:Epoch\s*:?\s*(\d+)\s*/\s*\d+|\[Epoch\s*:?\s*(\d+)\s*/\s*\d+\])\s*:?\s*$", re.I)
 # Keras' progress bar: `14/49 [=====>.....] - ETA: 9s - loss: ...` (Keras 2), `14/49 ━━━━━━━━━━ 9s ...` (Keras 3; drawn
 # with `=` where the console cannot show ━, a Windows PowerShell capture), with srun's task label before it
 # (`0: 19/19 [====...`: the label stays on a line that starts with a number).
@@ -1028,7 +1028,10 @@ def dedupe(metrics: list[Metric]) -> list[Metric]:
 
 def same_record(a: Metric, b: Metric) -> bool:
     """Whether b repeats a (the same step's numbers, as a tqdm redraw prints them twice); Keras' last batch of
-    each epoch (`211/211 ... loss: inf`) is another record when the epoch differs."""
+    each epoch (`211/211 ... loss: inf`) is another record when the epoch differs, and so is the same line under
+    another epoch's header (`[Epoch 4/50]` then `Train Loss: nan, Train Acc: 0.1`, as under `[Epoch 3/50]`)."""
+    if a.epoch is not None and b.epoch is not None and a.epoch != b.epoch:
+        return False
     if a.step is None or b.step is None or a.step != b.step:
         if a.step is not None and b.step is not None and "%|" in a.text and "%|" in b.text and _same_numbers(a, b):
             # tqdm redraws its bar on a timer and its postfix only when the loop sets it: with the carriage returns

@@ -805,6 +805,10 @@ def _set_aside_transients(by_id: dict[str, Hit], rules: "NumberRules") -> list[H
     dicts read as its log history saved as CSV does; Megatron's "number of nan iterations" or any other line
     keeps the hit. A NaN/inf loss is never set aside: numbers that went wrong stay wrong."""
     big = [came_back] if (came_back := rules.big_set_aside()) is not None else []
+    nonfinite = rules.comp.by_rule.get("nonfinite-loss")
+    start = rules.superseded_from()
+    if start and nonfinite is not None and (word := by_id.get(nonfinite.id)) is not None and word.last_line < start:
+        big.append(by_id.pop(word.id))  # an earlier run's NaN loss words, the log's last run trained past (_nonfinite_superseded)
     lines = rules.transient_lines()
     sig = rules.comp.by_rule.get("nonfinite-grad-norm")
     if not lines or sig is None:
@@ -1018,6 +1022,10 @@ class NumberRules:
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
         self.game_over: tuple | None = None  # (discriminator, generator): the discriminator won (discriminator-won)
         self.critic_blown: _Side | None = None  # a WGAN critic whose loss went far positive (critic-blowup)
+        self.restarted = False  # a new run began in the log (see _restart)
+        self.run_start_line: int | None = None  # the line of the first record since (None until one is fed)
+        self.run_nonfinite = 0  # non-finite losses logged since the last restart
+        self.closed_nonfinite = 0  # the most non-finite losses an earlier run logged
         self.printed: set[int] = set()  # hashes of the latest record lines (see feed), and of the generation before
         self.printed_before: set[int] = set()
         # Named losses of a reinforcement-learning trainer's records (beside a reward) that printed a value below
@@ -1081,6 +1089,8 @@ class NumberRules:
                 self.flat_before = self.flat
             self.flat = None
         self.run_first, self.run_count = None, 0
+        self.closed_nonfinite = max(self.closed_nonfinite, self.run_nonfinite)
+        self.restarted, self.run_nonfinite, self.run_start_line = True, 0, None
         for se in self.series.values():  # and its own lasting spikes and rise, against its own curve
             if len(self.closed_series) < MAX_CLOSED_SERIES:
                 self.closed_series.append(se)
@@ -1120,6 +1130,7 @@ class NumberRules:
 
     def _bad(self, m: Metric, name: str):
         self.nonfinite_names[name] = self.nonfinite_names.get(name, 0) + 1
+        self.run_nonfinite += 1
         if not self.nonfinite or self.nonfinite[-1] is not m:
             if len(self.nonfinite) < MAX_LINES_PER_HIT:
                 self.nonfinite.append(m)
@@ -1132,6 +1143,7 @@ class NumberRules:
         its first loss before the progress bar that names the epoch), not the old run's last."""
         key = m.seen_as  # the log line as the readers saw it, prefixes dropped (None: a record no log line printed)
         if key is not None:
+            key = hash((key, m.epoch))  # under an epoch header the line itself may not name its epoch
             if key in self.printed or key in self.printed_before:
                 if m.epoch is not None or m.step is not None:
                     return
@@ -1153,6 +1165,8 @@ class NumberRules:
 
     def _feed(self, m: Metric):
         self.records += 1
+        if self.run_start_line is None and m.run_end is None:
+            self.run_start_line = m.line
         if m.run_end is not None:
             # A run ended: HF Trainer's end-of-training summary ({'train_runtime': ..., 'train_loss': <the mean>},
             # the run's average restated; a later stage - SFT, then DPO - or a relaunch starts its curve afresh),
@@ -1293,6 +1307,21 @@ class NumberRules:
                 if g.head_median() > 0 and g.tail_median() >= r.game_g_rise * g.head_median():
                     return d, g
         return None
+
+    def superseded_from(self) -> int | None:
+        """The first line of the log's last run when every non-finite loss came before it (_nonfinite_superseded)."""
+        return self.run_start_line if self._nonfinite_superseded() else None
+
+    def _nonfinite_superseded(self) -> bool:
+        """Every non-finite loss came in an earlier run of the log, none of those runs logged went_on_records of them or
+        more, and the last run (after a restart) logged went_on_records finite training losses or more and none that
+        was not: a run abandoned at its NaN and relaunched (an Optuna trial pruned, a fine-tune early stopping restored
+        from), which the log's last run trained past. A run that went on logging NaN for went_on_records prints ran
+        to its end on garbage: a failed experiment of its own, whatever ran after it (a notebook's next model, the
+        next optimizer of a sweep)."""
+        need = self.comp.table.records.went_on_records
+        return bool(self.nonfinite and self.restarted and need and self.closed_nonfinite < need and not self.run_nonfinite
+                    and self.run_count >= need and not self.nan_tail)
 
     def _critic_blown(self) -> _Side | None:
         """A WGAN critic (a discriminator loss that printed a negative value among its first game_window values: the
@@ -1548,7 +1577,7 @@ class NumberRules:
             return ", ".join(ks[:6])
 
         grad_names = {k for k in self.nonfinite_names if "norm" in k}
-        add("nonfinite-loss", self.nonfinite, f"non-finite (NaN or inf) values in {names(lambda k: k not in grad_names)}")
+        add("nonfinite-loss", [] if self._nonfinite_superseded() else self.nonfinite, f"non-finite (NaN or inf) values in {names(lambda k: k not in grad_names)}")
         if not self._grad_transient():
             add("nonfinite-grad-norm", self.grad_bad, f"non-finite grad norm(s) in {names(lambda k: k in grad_names)}")
         add("loss-zero-grad-nan", self.zero_nan, f"{len(self.zero_nan)} log(s) show loss exactly 0 with a NaN grad norm")
