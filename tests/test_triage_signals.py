@@ -2019,3 +2019,14 @@ def test_a_bracketed_epoch_header_says_the_epoch_of_the_records_under_it():
     # `[Epoch 1/50]` on a line of its own (development dev12y-014, a logger's INFO lines) as Keras' `Epoch 1/50` is.
     text = "[Epoch 1/50]\nTrain Loss: 2.5\n[Epoch 2/50]\nTrain Loss: 2.1\n"
     assert [m.epoch for m in parse_text(text, KEYS)] == [1.0, 2.0]
+
+
+def test_a_scripts_own_start_of_training_line_is_a_launch_past_an_earlier_runs_oom():
+    # Development dev9f-010: 21 launches of one script appended to one log; the first dies with the script's own
+    # `ERROR - CUDA out of memory in epoch 1. Training stopped.`, each later one begins `INFO - Starting training process...`.
+    oom = "2025-08-22 14:04:49,973 - ERROR - CUDA out of memory in epoch 1. Training stopped.\n"
+    relaunch = "2025-08-22 14:09:38,547 - INFO - Starting training process...\n2025-08-22 14:09:39,703 - INFO - --- Epoch 1/20 on cuda ---\n"
+    assert classify_text(oom).failure_class == "oom"
+    assert classify_text(oom + relaunch).failure_class == "none"
+    assert classify_text(relaunch + oom).failure_class == "oom"  # the OOM came after the start: the run's own
+    assert classify_text(oom + "2025-08-22 14:09:38,547 - INFO - Starting training process with batch 8 ...\n").failure_class == "oom"
