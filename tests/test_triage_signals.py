@@ -378,7 +378,8 @@ def test_escapes_and_prefixes_do_not_hide_a_signal(name, prefix):
 
 @pytest.mark.parametrize("name", ["oom-nccl-timeout-after-rank-oom-swift.log", "none-healthy-torchtune-lora-multinode.log",
                                   "divergence-dreamer-pytorch-named-losses-nan-table.log", "none-healthy-ray-train-result-table.log",
-                                  "none--b17mb-002.log", "environment--b27zh-007.log", "none--dev12y-014.log"])
+                                  "none--b17mb-002.log", "environment--b27zh-007.log", "none--dev12y-014.log",
+                                  "none--dev32yp-005.log", "none--dev32yq-002.log"])
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-16"])  # utf-16: as PowerShell's `python train.py > log` writes it
 def test_a_big_log_streamed_reads_as_the_whole_text_does(tmp_path, monkeypatch, name, encoding):
     import finetune_mcp.triage.signals as S
@@ -2030,3 +2031,46 @@ def test_a_scripts_own_start_of_training_line_is_a_launch_past_an_earlier_runs_o
     assert classify_text(oom + relaunch).failure_class == "none"
     assert classify_text(relaunch + oom).failure_class == "oom"  # the OOM came after the start: the run's own
     assert classify_text(oom + "2025-08-22 14:09:38,547 - INFO - Starting training process with batch 8 ...\n").failure_class == "oom"
+
+
+def test_a_host_memory_warning_the_program_printed_past_is_no_oom():
+    # Development dev32yp-009: Keras stops early, then a TFLite conversion logs TensorFlow's allocator warning
+    # ("Allocation of 1228800000 exceeds 10% of free system memory.") and the converted model's accuracy follows.
+    warn = ("2024-04-17 14:11:15.042814: W external/local_tsl/tsl/framework/cpu_allocator_impl.cc:83] "
+            "Allocation of 1228800000 exceeds 10% of free system memory.\n")
+    after = "fully_quantize: 0, inference_type: 6\nINFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n60.3515625\nAccuracy: 0.7647\n"
+    n = RULES.cell_went_on_lines
+    went_on = "".join(after.splitlines(keepends=True)[:n])
+    assert classify_text("Epoch 44: early stopping\n" + warn + went_on).failure_class == "none"
+    assert classify_text("Epoch 44: early stopping\n" + warn).failure_class == "oom"  # the log ends on it: where to look
+    fewer = "".join(after.splitlines(keepends=True)[:n - 1])
+    assert classify_text("Epoch 44: early stopping\n" + warn + fewer).failure_class == "oom"
+    crashed = warn + went_on + "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nRuntimeError: boom\n"
+    assert classify_text(crashed).failure_class != "none"  # a log that shows a failure keeps the warning as evidence
+
+
+def test_bare_progress_counters_after_an_error_are_a_loop_that_went_on():
+    # Development dev32yp-005 (a notebook whose later cells train for hundreds of epochs printing only `Epoch:  44`) and
+    # dev31yk-010 (`3rd epoch starting.`): went_on_records such lines after a cell's error are training going on past it.
+    n = RULES.went_on_records
+    err = "Traceback (most recent call last):\n  File \"<ipython-input-3-ab12>\", line 2, in <module>\nTypeError: cannot unpack non-iterable NoneType object\n"
+    assert classify_text(err + "".join(f"Epoch:  {i}\n" for i in range(n))).failure_class == "none"
+    assert classify_text(err + "".join(f"{i + 1}th epoch starting.\n" for i in range(n))).failure_class == "none"
+    assert classify_text(err + "".join(f"Epoch:  {i}\n" for i in range(n - 1))).failure_class == "environment"
+    # A counter with words after it is no bare counter (`Epoch 3 saved to disk` says nothing of a loop running).
+    assert classify_text(err + "".join(f"Epoch {i} saved to disk\n" for i in range(n))).failure_class == "environment"
+
+
+def test_a_gan_side_that_never_moved_is_stuck():
+    # Development dev32yp-018: a DCGAN's `The discriminator loss: 1.38763` at every one of its 100 epochs while the
+    # generator's loss changes every epoch: the discriminator's weights never moved.
+    w = RULES.game_window
+
+    def game(d_values, g_values):
+        return [Metric(i + 1, "x", named={"loss:d loss": d, "loss:g loss": g}) for i, (d, g) in enumerate(zip(d_values, g_values))]
+
+    g = [0.5 + 0.01 * i for i in range(2 * w)]
+    assert "flat-loss" in _ids(game([1.38763] * (2 * w), g))
+    assert "flat-loss" not in _ids(game([1.38763] * (2 * w - 1) + [1.38764], g))  # it moved once
+    assert "flat-loss" not in _ids(game([1.38763] * (2 * w - 1), g))  # too few logs to judge
+    assert "flat-loss" not in _ids(game([0.69] * (2 * w), g))  # two digits: a rounded print, not one value

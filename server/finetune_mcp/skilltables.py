@@ -325,6 +325,8 @@ class FailureSignal(Strict):
                                                 "one) failed: a notebook cell whose traceback began after it ran on past it")
     records_decide: bool = Field(False, description="a line the metric readers took as a record is left to the records "
                                                     "rules, which know its columns' names")
+    warning_only: bool = Field(False, description="a warning, not an event: in a log that shows no failure, set aside once the "
+                                                  "program printed cell_went_on_lines non-blank lines after its last hit")
     stop_request: bool = Field(False, description="present whenever stop_run asked the run to end")
     check: SignalCheck | None = None
     none_kind: Literal["healthy", "stopped"] | None = None

@@ -290,6 +290,13 @@ def _unwrap(lines: list[str], width: int) -> list[str]:
 def clean_lines(lines: list[str]) -> list[str]:
     """clean_line over many lines at once: the escapes and prefixes removed by whole-text substitutions
     (the same result, far faster on a big log); lines with a carriage return are cleaned one by one."""
+    return clean_lines_at(lines)[0]
+
+
+def clean_lines_at(lines: list[str], wrap: int | None | bool = True) -> tuple[list[str], int | None]:
+    """clean_lines, and the width the lines were unwrapped at. `wrap` True finds it (wrap_width); an int or None says
+    it - a log streamed in chunks keeps its first chunk's answer, as one read whole has one answer for all its lines
+    (a later chunk of Keras bars all 97 characters wide is no terminal's wrap)."""
     text = "\n".join(lines)
     if "\x08" in text:
         lines = [_BACKSPACES.sub("\r", ln) if "\x08" in ln else ln for ln in lines]
@@ -308,14 +315,15 @@ def clean_lines(lines: list[str]) -> list[str]:
         if changed:
             text = "\n".join(lines)
             lens = list(map(len, lines))
-    if (width := wrap_width(lines, lens)) is not None:
+    width = wrap_width(lines, lens) if wrap is True else wrap
+    if width is not None:
         lines = _unwrap(lines, width)
         text = "\n".join(lines)
     if "\x1b" in text or "[" in text:
         text = _ANSI.sub("", text)
     text = _PREFIXES_AT_START.sub("", text)
     out = text.split("\n")
-    return out if len(out) == len(lines) else [clean_line(ln) for ln in lines]
+    return (out if len(out) == len(lines) else [clean_line(ln) for ln in lines]), width
 
 
 def key_kind(key: str) -> str | None:

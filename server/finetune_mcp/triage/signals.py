@@ -21,7 +21,7 @@ import yaml
 
 from finetune_mcp.common.errors import BadInput, NotFound
 from finetune_mcp.skilltables import LEVEL_WORDS
-from finetune_mcp.triage.parse import (KERAS_BAR, KeyMap, Metric, MetricTable, clean_line, clean_lines, code_lines, decode_log,
+from finetune_mcp.triage.parse import (KERAS_BAR, KeyMap, Metric, MetricTable, clean_line, clean_lines_at, code_lines, decode_log,
                                       is_setting, pair_key, line_metrics, prefix_layers, log_encoding, normalise_key, parse_records,
                                       parse_text, same_record, split_lines, to_number)
 
@@ -81,6 +81,20 @@ def _failure_lines(log: "Log", comp: "Compiled", levels: bool = True) -> tuple[s
     level (when `levels`), neither of them a benign_lines line (a tool's message when nothing failed)."""
     marked = _not_benign(log, comp, _lines_matching(log, comp, comp.markers))
     return marked, _not_benign(log, comp, log.level_lines(comp)) if levels else set()
+
+
+# A loop's bare progress counter on a line of its own, no metric beside it (`Epoch:  44`, `Epoch 3/10`, `Iteration 1200`,
+# `3rd epoch starting.`): went_on_records of them after an error are a loop that went on past it (a notebook's later
+# cell training 200 epochs that prints only its epoch number, development dev32yp-005).
+_PROGRESS = re.compile(r"\s*(?:(?:epoch|iteration|iter|step)\s*[:#=]?\s*\[?\s*\d+\s*(?:/\s*\d+)?\s*\]?\s*[.:!]?"
+                       r"|\d+(?:st|nd|rd|th) epoch(?: starting| started| begins)?\.?)\s*$", re.I)
+
+
+def progress_lines(log: "Log", most: int) -> list[int]:
+    """The last `most` lines (1-based in the whole log) that are a bare progress counter (_PROGRESS)."""
+    found = [i + log.first_line for i, c in enumerate(log.clean)
+             if len(c) < 48 and ("poch" in c or "ter" in c or "tep" in c) and _PROGRESS.match(c) and i not in log.code]
+    return found[-most:] if most else []
 
 
 def last_launch(log: "Log", comp: "Compiled") -> int | None:
@@ -300,10 +314,12 @@ class Log:
     of a big log; each hit is then confirmed on its own line, so a match never spans two.
     """
 
-    def __init__(self, text: str | None = None, *, lines: list[str] | None = None, first_line: int = 1):
+    def __init__(self, text: str | None = None, *, lines: list[str] | None = None, first_line: int = 1,
+                 wrap: int | None | bool = True):
         self.raw = text  # the text the lines were split from, when the caller has it (level_lines scans it)
         self.lines = split_lines(text) if lines is None else lines  # verbatim, for evidence
-        self.clean = clean_lines(self.lines)  # what the patterns see (parse.clean_line)
+        # what the patterns see (parse.clean_line), and the width a terminal wrapped them at (wrap: see clean_lines_at)
+        self.clean, self.wrap = clean_lines_at(self.lines, wrap)
         self.first_line = first_line  # the 1-based number of lines[0] in the whole log
         self.text = "\n".join(self.clean)
         self._lower: str | None = None
@@ -436,6 +452,7 @@ class Findings:
     summary: dict | None = None  # the metrics summary, when `metrics` holds only part of a streamed log
     tail: list[str] = field(default_factory=list)  # the log's last lines (cleaned): where an excerpt cut short stops
     record_lines: list[int] = field(default_factory=list)  # line numbers of the last metric records (went_on_records at most)
+    progress_lines: list[int] = field(default_factory=list)  # ... and of the last bare progress counters (progress_lines())
     threads: Threads = field(default_factory=Threads)
     bar_done: int | None = None  # the last line where a progress bar reached its total or ran went_on_records iterations
     transient: list[Hit] = field(default_factory=list)  # NaN grad norms of steps the fp16 scaler skipped: set aside
@@ -450,7 +467,8 @@ class Findings:
     def _records_after(self, line: int) -> bool:
         """went_on_records metric records were logged after `line` (a line of the log, > 0)."""
         need = self.table.records.went_on_records if self.table is not None else 0
-        return bool(need and line and sum(1 for n in self.record_lines if n > line) >= need)
+        return bool(need and line and (sum(1 for n in self.record_lines if n > line) >= need
+                                       or sum(1 for n in self.progress_lines if n > line) >= need))
 
     def _launched_after(self, line: int) -> bool:
         """The shell started another command after `line`: what went wrong before belongs to an earlier one."""
@@ -476,7 +494,14 @@ class Findings:
         training went on past it. An install or build that failed in a notebook is outlived by a later cell that ran
         (its traceback began after it, frames of a cell): the kernel went on, with whatever that cell had."""
         return (self._records_after(hit.last_line) or self._finished_after(hit.last_line) or self._launched_after(hit.last_line)
-                or (hit.signal.before_run and self.cell_traceback_after(hit.last_line)))
+                or (hit.signal.before_run and self.cell_traceback_after(hit.last_line)) or self._warned_past(hit))
+
+    def _warned_past(self, hit: Hit) -> bool:
+        """A warning-only signal (host memory growing) in a log that shows no failure, after whose last hit the program
+        printed cell_went_on_lines non-blank lines or more: it warned and went on (a TFLite conversion's allocator
+        warnings, then its accuracy)."""
+        went_on = self.table.records.cell_went_on_lines if self.table is not None else 0
+        return bool(hit.signal.warning_only and went_on and not self.failed and self.printed_after(hit.last_line) >= went_on)
 
     def printed_after(self, line: int) -> int:
         """Non-blank lines the log printed after `line` (1-based), counted in the tail it keeps (TAIL_LINES at most)."""
@@ -1022,6 +1047,7 @@ class NumberRules:
         self.game: dict[str, _Side] = {}  # each side of a GAN's game, by its loss's name (see _game_over)
         self.game_over: tuple | None = None  # (discriminator, generator): the discriminator won (discriminator-won)
         self.critic_blown: _Side | None = None  # a WGAN critic whose loss went far positive (critic-blowup)
+        self.side_stuck: _Side | None = None  # a side of the game that logged one value throughout (see _stuck_side)
         self.restarted = False  # a new run began in the log (see _restart)
         self.run_start_line: int | None = None  # the line of the first record since (None until one is fed)
         self.run_nonfinite = 0  # non-finite losses logged since the last restart
@@ -1108,6 +1134,8 @@ class NumberRules:
             self.game_over = self._game_over()  # the old run's game is judged as it stood; a new run's starts afresh
         if self.critic_blown is None:
             self.critic_blown = self._critic_blown()
+        if self.side_stuck is None:
+            self.side_stuck = self._stuck_side()
         self.game = {}
         if self.kl_blow is None:
             self.kl_low = None  # a new run's KL starts over too (a blow-up already seen keeps the KL it rose from)
@@ -1322,6 +1350,17 @@ class NumberRules:
         need = self.comp.table.records.went_on_records
         return bool(self.nonfinite and self.restarted and need and self.closed_nonfinite < need and not self.run_nonfinite
                     and self.run_count >= need and not self.nan_tail)
+
+    def _stuck_side(self) -> _Side | None:
+        """One side of a GAN's game that logged the same value, printed to 3 significant digits or more, at every one of
+        its 2 x game_window logs or more: that network's weights never moved (a discriminator at exactly 1.38763 for
+        100 epochs while its generator's loss changes every epoch, development dev32yp-018). The game's rise and spike
+        exemption is for sides that move."""
+        r = self.r
+        for side in self.game.values():
+            if side.count >= 2 * r.game_window and not side.moved and _significant_digits(side.head[0][1]) >= 3:
+                return side
+        return None
 
     def _critic_blown(self) -> _Side | None:
         """A WGAN critic (a discriminator loss that printed a negative value among its first game_window values: the
@@ -1638,8 +1677,12 @@ class NumberRules:
                 f"first {len(critic.head)} values to a median of {critic.tail_median():.3g} over its last {len(critic.tail)}")
         self._close_run()
         self._close_still()
+        stuck = self.side_stuck or self._stuck_side()
         if self.flat:
             add("flat-loss", self.flat[0], self.flat[1])
+        elif stuck:
+            add("flat-loss", [stuck.head[0][0], stuck.tail[-1][0]],
+                f"{stuck.name} logged {stuck.head[0][1]:g} at every one of its {stuck.count} logs: that side of the game never moved")
         elif self.flat_before and not self._last_run_learned():
             add("flat-loss", self.flat_before[0], self.flat_before[1])
         return out
@@ -1659,18 +1702,20 @@ class _Side:
     """One side of a GAN's game (a loss named with an adversarial word): its first and last game_window finite
     values, and how many it logged."""
 
-    __slots__ = ("name", "discriminator", "head", "tail", "count", "window")
+    __slots__ = ("name", "discriminator", "head", "tail", "count", "window", "moved")
 
     def __init__(self, name: str, window: int, discriminator: bool):
         self.name, self.discriminator, self.window = name, discriminator, window
         self.head: list[tuple[Metric, float]] = []
         self.tail: deque[tuple[Metric, float]] = deque(maxlen=window)
         self.count = 0
+        self.moved = False  # a value other than its first was logged
 
     def feed(self, m: Metric, v: float):
         if not math.isfinite(v):
             return
         self.count += 1
+        self.moved = self.moved or (bool(self.head) and v != self.head[0][1])
         if len(self.head) < self.window:
             self.head.append((m, v))
         self.tail.append((m, v))
@@ -1841,7 +1886,7 @@ def find(text: str, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     tail=log.clean[-TAIL_LINES:], record_lines=[m.line for m in metrics[max(0, len(metrics) - comp.table.records.went_on_records):]],
-                    threads=threads, bar_done=bar_done, transient=transient, finished=finished, last_traceback_at=head,
+                    progress_lines=progress_lines(log, comp.table.records.went_on_records), threads=threads, bar_done=bar_done, transient=transient, finished=finished, last_traceback_at=head,
                     cell_frame_at=cell_frame, level_only=level_only, line_count=len(log.lines), launched_at=launched,
                     interrupted_failing=interrupted)
 
@@ -1885,6 +1930,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
     prev: Metric | None = None
     first_line = 1
     tail: list[str] = []
+    progress: deque[int] = deque(maxlen=comp.table.records.went_on_records or 1)
+    wrap: int | None | bool = True
     other_marked = level_marked = False  # a failure line that is not a logger's level line / one that is
     nonfinite = NonfiniteKeys(comp)
     with open(path, "rb") as fh:
@@ -1902,7 +1949,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 continue
             chunk, carry = data[:cut + 1], data[cut + 1:]
             del data  # one copy of the chunk in memory, not two
-            log = Log(chunk, first_line=first_line)
+            log = Log(chunk, first_line=first_line, wrap=wrap)
+            wrap = log.wrap  # the first chunk's answer holds for the rest (see parse.clean_lines_at)
             chunk_metrics = list(line_metrics(log.lines, log.clean, log.code, comp.keys, metric_table, first_line, end=not block))
             _merge_hits(by_id, list(word_hits(log, comp, {m.line - first_line for m in chunk_metrics}).values()),
                         most=MAX_LINES_PER_HIT * 4)
@@ -1931,6 +1979,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
                 prev = m
             bar_done = max(bar_done or 0, last_bar_ran(tail_metrics, comp.table.records.went_on_records) or 0) or None
             tail = (tail + log.clean)[-TAIL_LINES:]
+            progress.extend(progress_lines(log, comp.table.records.went_on_records))
             first_line += len(log.lines)
             if not block:
                 break
@@ -1945,7 +1994,8 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         dropped = [h for h in by_id.values() if h.signal.explained_by_stop]
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), tail_metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
-                    summary=rules.summary(), tail=tail, record_lines=list(record_lines), threads=threads, bar_done=bar_done,
+                    summary=rules.summary(), tail=tail, record_lines=list(record_lines),
+                    progress_lines=list(progress) if comp.table.records.went_on_records else [], threads=threads, bar_done=bar_done,
                     transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame,
                     level_only=level_marked and not other_marked, line_count=first_line - 1, launched_at=launched,
                     interrupted_failing=interrupted)
