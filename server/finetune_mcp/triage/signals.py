@@ -1664,17 +1664,7 @@ class NumberRules:
             ms = self.halving_best
             add("loss-scale-halving", ms, f"the loss scale halved {len(ms)} logs in a row after it had settled "
                                           f"({_scale_of(ms[0]) * 2:g} down to {_scale_of(ms[-1]):g}): fp16 overflow at every step")
-        game = self.game_over or self._game_over()
-        if game:
-            d, g = game
-            add("discriminator-won", [d.tail[-1][0], g.head[0][0], g.tail[-1][0]],
-                f"{d.name} fell to {d.tail_median():.3g} (median of its last {len(d.tail)} values, from {d.head_max():.3g}) "
-                f"while {g.name} rose from {g.head_median():.3g} to {g.tail_median():.3g}")
-        critic = self.critic_blown or self._critic_blown()
-        if critic:
-            add("critic-blowup", [critic.head[0][0], critic.tail[-1][0]],
-                f"the critic's {critic.name} went from at most {max(abs(v) for _, v in critic.head):.3g} in magnitude over its "
-                f"first {len(critic.head)} values to a median of {critic.tail_median():.3g} over its last {len(critic.tail)}")
+        self._game_hits(add)
         self._close_run()
         self._close_still()
         stuck = self.side_stuck or self._stuck_side()
@@ -1686,6 +1676,20 @@ class NumberRules:
         elif self.flat_before and not self._last_run_learned():
             add("flat-loss", self.flat_before[0], self.flat_before[1])
         return out
+
+    def _game_hits(self, add) -> None:
+        """A GAN's game gone wrong: its discriminator won (discriminator-won), its WGAN critic blew up (critic-blowup)."""
+        game = self.game_over or self._game_over()
+        if game:
+            d, g = game
+            add("discriminator-won", [d.tail[-1][0], g.head[0][0], g.tail[-1][0]],
+                f"{d.name} fell to {d.tail_median():.3g} (median of its last {len(d.tail)} values, from {d.head_max():.3g}) "
+                f"while {g.name} rose from {g.head_median():.3g} to {g.tail_median():.3g}")
+        critic = self.critic_blown or self._critic_blown()
+        if critic:
+            add("critic-blowup", [critic.head[0][0], critic.tail[-1][0]],
+                f"the critic's {critic.name} went from at most {max(abs(v) for _, v in critic.head):.3g} in magnitude over its "
+                f"first {len(critic.head)} values to a median of {critic.tail_median():.3g} over its last {len(critic.tail)}")
 
 
 def _reward_moves(run: list[Metric]) -> bool:
