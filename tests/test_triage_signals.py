@@ -2041,11 +2041,14 @@ def test_a_host_memory_warning_the_program_printed_past_is_no_oom():
     after = "fully_quantize: 0, inference_type: 6\nINFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n60.3515625\nAccuracy: 0.7647\n"
     n = RULES.cell_went_on_lines
     went_on = "".join(after.splitlines(keepends=True)[:n])
-    assert classify_text("Epoch 44: early stopping\n" + warn + went_on).failure_class == "none"
-    assert classify_text("Epoch 44: early stopping\n" + warn).failure_class == "oom"  # the log ends on it: where to look
+    fit = "".join(f"Epoch {i}/100\n1563/1563 - 33s - loss: {0.60 - 0.01 * i:.4f} - accuracy: 0.82 - val_loss: 0.6170\n"
+                  for i in range(1, 5)) + "Epoch 4: early stopping\n"
+    assert classify_text(fit + warn + went_on).failure_class == "none"
+    assert classify_text(fit + warn).failure_class == "oom"  # the log ends on it: where to look
     fewer = "".join(after.splitlines(keepends=True)[:n - 1])
-    assert classify_text("Epoch 44: early stopping\n" + warn + fewer).failure_class == "oom"
-    crashed = warn + went_on + "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nRuntimeError: boom\n"
+    assert classify_text(fit + warn + fewer).failure_class == "oom"
+    assert classify_text(warn + went_on).failure_class == "oom"  # no run logged: nothing to have gone on
+    crashed = fit + warn + went_on + "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nRuntimeError: boom\n"
     assert classify_text(crashed).failure_class != "none"  # a log that shows a failure keeps the warning as evidence
 
 
@@ -2074,3 +2077,11 @@ def test_a_gan_side_that_never_moved_is_stuck():
     assert "flat-loss" not in _ids(game([1.38763] * (2 * w - 1) + [1.38764], g))  # it moved once
     assert "flat-loss" not in _ids(game([1.38763] * (2 * w - 1), g))  # too few logs to judge
     assert "flat-loss" not in _ids(game([0.69] * (2 * w), g))  # two digits: a rounded print, not one value
+
+
+def test_a_host_memory_warning_wrapped_by_a_terminal_is_still_where_the_log_ends():
+    # bench_triage_captures' wrap120 form of oom-colab-ctrl-finetune-tcmalloc-then-interrupt.log: tcmalloc's address
+    # list broken at 120 columns puts non-blank lines after the warning, and no run was logged: still oom.
+    text = (LOGS / "oom-colab-ctrl-finetune-tcmalloc-then-interrupt.log").read_text(encoding="utf-8")
+    wrapped = "".join(ln[i:i + 120] + "\n" for ln in text.splitlines() for i in range(0, max(len(ln), 1), 120))
+    assert classify_text(wrapped).failure_class == "oom"

@@ -497,11 +497,13 @@ class Findings:
                 or (hit.signal.before_run and self.cell_traceback_after(hit.last_line)) or self._warned_past(hit))
 
     def _warned_past(self, hit: Hit) -> bool:
-        """A warning-only signal (host memory growing) in a log that shows no failure, after whose last hit the program
-        printed cell_went_on_lines non-blank lines or more: it warned and went on (a TFLite conversion's allocator
-        warnings, then its accuracy)."""
+        """A warning-only signal (host memory growing) in a log that shows no failure and logged metric records, after
+        whose last hit the program printed cell_went_on_lines non-blank lines or more: it warned and went on (a TFLite
+        conversion's allocator warnings after training, then its accuracy). A log of nothing but the warnings has no
+        run to have gone on (a terminal that wrapped a tcmalloc line's long address list prints more lines after it)."""
         went_on = self.table.records.cell_went_on_lines if self.table is not None else 0
-        return bool(hit.signal.warning_only and went_on and not self.failed and self.printed_after(hit.last_line) >= went_on)
+        return bool(hit.signal.warning_only and went_on and self.record_lines and not self.failed
+                    and self.printed_after(hit.last_line) >= went_on)
 
     def printed_after(self, line: int) -> int:
         """Non-blank lines the log printed after `line` (1-based), counted in the tail it keeps (TAIL_LINES at most)."""
