@@ -860,7 +860,7 @@ def line_metrics(lines: list[str], cleaned: list[str], code: set[int], keys: Key
         if table.vertical is not None and "|" not in clean and (rec := table.flush()) is not None:
             yield rec  # a key | value table ends at its closing rule
         if len(clean) < 40 and "poch" in clean and (head := _EPOCH_HEADER.match(clean)) and i not in code:
-            table.epoch = float(head.group(1) or head.group(2))  # Keras' `Epoch 3/10`: the records under it are that epoch's
+            table.epoch = float(head.group(2))  # Keras' `Epoch 3/10`: the records under it are that epoch's
             table.fit_closed = False
             continue
         if i in code or (not clean and lines[i]):
@@ -930,7 +930,7 @@ def _as_evaluation(m: Metric) -> None:
 
 
 # A line that only announces the epoch its next records belong to (Keras' model.fit, many plain loops).
-_EPOCH_HEADER = re.compile(r"\s*(?:Epoch\s*:?\s*(\d+)\s*/\s*\d+|\[Epoch\s*:?\s*(\d+)\s*/\s*\d+\])\s*:?\s*$", re.I)
+_EPOCH_HEADER = re.compile(r"\s*(\[)?Epoch\s*:?\s*(\d+)\s*/\s*\d+(?(1)\])\s*:?\s*$", re.I)  # bracketed or not
 # Keras' progress bar: `14/49 [=====>.....] - ETA: 9s - loss: ...` (Keras 2), `14/49 ━━━━━━━━━━ 9s ...` (Keras 3; drawn
 # with `=` where the console cannot show ━, a Windows PowerShell capture), with srun's task label before it
 # (`0: 19/19 [====...`: the label stays on a line that starts with a number).

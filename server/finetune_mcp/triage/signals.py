@@ -1132,12 +1132,7 @@ class NumberRules:
         self.still, self.still_lines = [], []
         self.last_losses.clear()
         self.points = set()
-        if self.game_over is None:
-            self.game_over = self._game_over()  # the old run's game is judged as it stood; a new run's starts afresh
-        if self.critic_blown is None:
-            self.critic_blown = self._critic_blown()
-        if self.side_stuck is None:
-            self.side_stuck = self._stuck_side()
+        self._judge_game()  # the old run's game is judged as it stood; a new run's starts afresh
         self.game = {}
         if self.kl_blow is None:
             self.kl_low = None  # a new run's KL starts over too (a blow-up already seen keeps the KL it rose from)
@@ -1352,6 +1347,12 @@ class NumberRules:
         need = self.comp.table.records.went_on_records
         return bool(self.nonfinite and self.restarted and need and self.closed_nonfinite < need and not self.run_nonfinite
                     and self.run_count >= need and not self.nan_tail)
+
+    def _judge_game(self) -> None:
+        """The game's verdicts as the current run's sides stand, each kept once found (a run closes, the log ends)."""
+        self.game_over = self.game_over or self._game_over()
+        self.critic_blown = self.critic_blown or self._critic_blown()
+        self.side_stuck = self.side_stuck or self._stuck_side()
 
     def _stuck_side(self) -> _Side | None:
         """One side of a GAN's game that logged the same value, printed to 3 significant digits or more, at every one of
@@ -1666,10 +1667,11 @@ class NumberRules:
             ms = self.halving_best
             add("loss-scale-halving", ms, f"the loss scale halved {len(ms)} logs in a row after it had settled "
                                           f"({_scale_of(ms[0]) * 2:g} down to {_scale_of(ms[-1]):g}): fp16 overflow at every step")
+        self._judge_game()
         self._game_hits(add)
         self._close_run()
         self._close_still()
-        stuck = self.side_stuck or self._stuck_side()
+        stuck = self.side_stuck
         if self.flat:
             add("flat-loss", self.flat[0], self.flat[1])
         elif stuck:
@@ -1681,13 +1683,12 @@ class NumberRules:
 
     def _game_hits(self, add) -> None:
         """A GAN's game gone wrong: its discriminator won (discriminator-won), its WGAN critic blew up (critic-blowup)."""
-        game = self.game_over or self._game_over()
-        if game:
-            d, g = game
+        if self.game_over:
+            d, g = self.game_over
             add("discriminator-won", [d.tail[-1][0], g.head[0][0], g.tail[-1][0]],
                 f"{d.name} fell to {d.tail_median():.3g} (median of its last {len(d.tail)} values, from {d.head_max():.3g}) "
                 f"while {g.name} rose from {g.head_median():.3g} to {g.tail_median():.3g}")
-        critic = self.critic_blown or self._critic_blown()
+        critic = self.critic_blown
         if critic:
             add("critic-blowup", [critic.head[0][0], critic.tail[-1][0]],
                 f"the critic's {critic.name} went from at most {max(abs(v) for _, v in critic.head):.3g} in magnitude over its "
@@ -2001,7 +2002,7 @@ def find_file(path, *, exit_info: dict | None = None, table=None) -> Findings:
         by_id = {k: h for k, h in by_id.items() if not h.signal.explained_by_stop}
     return Findings(list(by_id.values()), tail_metrics, markers, exc, traceback_cut(head, exc), code, sig_no, stopped_by, dropped, comp.table,
                     summary=rules.summary(), tail=tail, record_lines=list(record_lines),
-                    progress_lines=list(progress) if comp.table.records.went_on_records else [], threads=threads, bar_done=bar_done,
+                    progress_lines=list(progress), threads=threads, bar_done=bar_done,
                     transient=transient, finished=finished, last_traceback_at=head, cell_frame_at=cell_frame,
                     level_only=level_marked and not other_marked, line_count=first_line - 1, launched_at=launched,
                     interrupted_failing=interrupted)
